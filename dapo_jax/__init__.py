@@ -1,0 +1,1 @@
+"""dapo-jax: DAPO (arXiv 2503.14476) reinforcement learning for language models in JAX."""

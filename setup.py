@@ -1,0 +1,32 @@
+"""dapo-jax: DAPO reinforcement learning for language models in JAX."""
+import setuptools
+
+setuptools.setup(
+    name="dapo-jax",
+    version="0.1.0",
+    description="DAPO (Decoupled Clip and Dynamic sAmpling Policy Optimization) in JAX",
+    packages=setuptools.find_packages(include=["dapo_jax", "dapo_jax.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "jax>=0.10.2,<0.11",
+        "flax>=0.12.8,<0.13",
+        "optax>=0.2.8,<0.3",
+        "orbax-checkpoint>=0.12.8,<0.13",
+        "transformers>=5.24,<6",
+        "tokenizers>=0.22,<1",
+        "datasets>=5.2,<6",
+        "safetensors>=0.8,<0.9",
+        "ml-collections>=1.1,<2",
+        "tensorboardX>=2.6,<3",
+        "absl-py>=2.1,<3",
+        "numpy>=2.0,<3",
+        "pyarrow>=17",
+        "matplotlib>=3.9,<4",
+        "tqdm>=4.66,<5",
+    ],
+    extras_require={
+        # torch is only the reference implementation in parity tests; 2.13.0 is the CPU wheel.
+        "test": ["pytest>=8,<10", "torch==2.13.0"],
+        "tpu": ["jax[tpu]>=0.10.2,<0.11"],
+    },
+)
