@@ -1,0 +1,248 @@
+"""The decoder-only transformer shared by Qwen2/Qwen2.5 and the Llama family, in Flax linen.
+
+Token embedding, RoPE, grouped-query attention with optional q/k/v bias (Qwen2), RMSNorm, SwiGLU
+MLP, tied or untied LM head. Parameter names mirror Hugging Face's so that `hf_io` maps them one to
+one. Every parameter and the main activations carry logical axis names (`sharding.RULES` maps them
+onto the mesh). The model knows nothing of RL.
+
+Attention takes an explicit boolean mask `attn_BxTxS` (query t may read key slot s). Without a cache
+the keys are the T input tokens (S = T); with a cache (`KVCache`, one per layer) the T new keys and
+values are written at `cache_index` and the queries read all S cache slots. This one code path
+serves the trainer's teacher-forced pass, the sampler's prefill and its one-token decode steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+_NEG_INF = -1e30  # finite, so that a fully masked (padding) query row stays NaN-free
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture and numerics; `hf_io.config_from_hf` builds it from a config.json."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, float], ...] | None = None  # llama3 rope: sorted (key, value)
+    qkv_bias: bool = False  # True for Qwen2
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 32768
+    dtype: str = "bfloat16"  # compute dtype
+    param_dtype: str = "float32"
+    remat: bool = False  # rematerialise each decoder layer in the backward pass
+
+    @property
+    def compute_dtype(self):
+        return jnp.dtype(self.dtype)
+
+    @property
+    def weight_dtype(self):
+        return jnp.dtype(self.param_dtype)
+
+    def num_params(self) -> int:
+        d, f, v, dh = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
+        attn = d * dh * (2 * self.num_heads + 2 * self.num_kv_heads)
+        attn += dh * (self.num_heads + 2 * self.num_kv_heads) if self.qkv_bias else 0
+        layer = attn + 3 * d * f + 2 * d + (2 * f + d if self.mlp_bias else 0)
+        return v * d * (1 if self.tie_word_embeddings else 2) + self.num_layers * layer + d
+
+
+class KVCache(NamedTuple):
+    """One layer's cache: keys and values for S slots, `k_BxSxKxH`, `v_BxSxKxH` (K kv heads)."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+def init_cache(config: ModelConfig, batch: int, length: int) -> list[KVCache]:
+    """Zeroed per-layer caches of `length` slots in the compute dtype."""
+    shape = (batch, length, config.num_kv_heads, config.head_dim)
+    zeros = lambda: jnp.zeros(shape, config.compute_dtype)
+    return [KVCache(zeros(), zeros()) for _ in range(config.num_layers)]
+
+
+def positions_from_mask(mask_BxT: jax.Array) -> jax.Array:
+    """Position ids of left- or right-padded rows: 0 at each row's first real token."""
+    return jnp.maximum(jnp.cumsum(mask_BxT.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def causal_attention_mask(mask_BxT: jax.Array) -> jax.Array:
+    """`attn_BxTxT`: query t reads key s iff s <= t and s is a real token."""
+    t = mask_BxT.shape[-1]
+    causal_TxT = jnp.tril(jnp.ones((t, t), bool))
+    return causal_TxT[None] & mask_BxT[:, None, :].astype(bool)
+
+
+def rope_inverse_frequencies(config: ModelConfig) -> jax.Array:
+    """theta^(-2i/d) for i < d/2, with Llama 3's frequency-dependent rescaling when configured."""
+    dh = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
+    if config.rope_scaling is None:
+        return inv_freq
+    s = dict(config.rope_scaling)
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def apply_rope(x_BxTxNxH: jax.Array, positions_BxT: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotary embedding in the half-split layout that Hugging Face checkpoints expect."""
+    angles_BxTxH2 = positions_BxT[..., None].astype(jnp.float32) * inv_freq
+    cos = jnp.cos(angles_BxTxH2)[:, :, None, :]
+    sin = jnp.sin(angles_BxTxH2)[:, :, None, :]
+    x1, x2 = jnp.split(x_BxTxNxH.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BxTxNxH.dtype)
+
+
+def _dense(config, features, axes, use_bias, name):
+    return nn.Dense(
+        features,
+        use_bias=use_bias,
+        dtype=config.compute_dtype,
+        param_dtype=config.weight_dtype,
+        kernel_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), axes),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[-1:]),
+        name=name,
+    )
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * scale, computed in float32."""
+
+    eps: float
+    dtype: jnp.dtype
+    param_dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param(
+            "scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+            (x.shape[-1],), self.param_dtype,
+        )
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return scale.astype(self.dtype) * x32.astype(self.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention: N query heads share K = num_kv_heads key/value heads."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BxTxD, positions_BxT, attn_BxTxS, cache: KVCache | None, cache_index):
+        c = self.config
+        b, t, _ = x_BxTxD.shape
+        n, k, h = c.num_heads, c.num_kv_heads, c.head_dim
+        q = _dense(c, n * h, ("embed", "heads"), c.qkv_bias, "q_proj")(x_BxTxD)
+        key = _dense(c, k * h, ("embed", "kv_heads"), c.qkv_bias, "k_proj")(x_BxTxD)
+        val = _dense(c, k * h, ("embed", "kv_heads"), c.qkv_bias, "v_proj")(x_BxTxD)
+        inv_freq = rope_inverse_frequencies(c)
+        q_BxTxNxH = apply_rope(q.reshape(b, t, n, h), positions_BxT, inv_freq)
+        k_BxTxKxH = apply_rope(key.reshape(b, t, k, h), positions_BxT, inv_freq)
+        v_BxTxKxH = val.reshape(b, t, k, h)
+        if cache is not None:
+            start = (0, cache_index, 0, 0)
+            k_BxSxKxH = jax.lax.dynamic_update_slice(cache.k, k_BxTxKxH.astype(cache.k.dtype), start)
+            v_BxSxKxH = jax.lax.dynamic_update_slice(cache.v, v_BxTxKxH.astype(cache.v.dtype), start)
+            cache = KVCache(k_BxSxKxH, v_BxSxKxH)
+        else:
+            k_BxSxKxH, v_BxSxKxH = k_BxTxKxH, v_BxTxKxH
+        q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, k, n // k, h)
+        scores = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxSxKxH,
+                            preferred_element_type=jnp.float32) / math.sqrt(h)
+        scores = jnp.where(attn_BxTxS[:, None, None], scores, _NEG_INF)
+        probs = jax.nn.softmax(scores, axis=-1).astype(c.compute_dtype)
+        out = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxSxKxH).reshape(b, t, n * h)
+        out = nn.with_logical_constraint(out, ("batch", "length", "heads"))
+        return _dense(c, c.hidden_size, ("heads", "embed"), False, "o_proj")(out), cache
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BxTxD):
+        c = self.config
+        gate = _dense(c, c.intermediate_size, ("embed", "mlp"), c.mlp_bias, "gate_proj")(x_BxTxD)
+        up = _dense(c, c.intermediate_size, ("embed", "mlp"), c.mlp_bias, "up_proj")(x_BxTxD)
+        h_BxTxF = nn.with_logical_constraint(nn.silu(gate) * up, ("batch", "length", "mlp"))
+        return _dense(c, c.hidden_size, ("mlp", "embed"), c.mlp_bias, "down_proj")(h_BxTxF)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x))."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BxTxD, positions_BxT, attn_BxTxS, cache, cache_index):
+        c = self.config
+        norm = lambda name: RMSNorm(c.rms_norm_eps, c.compute_dtype, c.weight_dtype, name=name)
+        h, cache = Attention(c, name="self_attn")(
+            norm("input_layernorm")(x_BxTxD), positions_BxT, attn_BxTxS, cache, cache_index)
+        x_BxTxD = x_BxTxD + h
+        x_BxTxD = x_BxTxD + MLP(c, name="mlp")(norm("post_attention_layernorm")(x_BxTxD))
+        return nn.with_logical_constraint(x_BxTxD, ("batch", "length", "embed")), cache
+
+
+class Transformer(nn.Module):
+    """Causal LM. `__call__(tokens_BxT, positions_BxT, attn_BxTxS, caches=None, cache_index=0)`
+    returns `(logits_BxTxV in float32, new caches or None)`."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens_BxT, positions_BxT, attn_BxTxS, caches=None, cache_index=0):
+        c = self.config
+        embed = nn.Embed(
+            c.vocab_size, c.hidden_size, dtype=c.compute_dtype, param_dtype=c.weight_dtype,
+            embedding_init=nn.with_logical_partitioning(nn.initializers.normal(0.02),
+                                                        ("vocab", "embed")),
+            name="embed_tokens",
+        )
+        x_BxTxD = nn.with_logical_constraint(embed(tokens_BxT), ("batch", "length", "embed"))
+        layer_cls = nn.remat(DecoderLayer) if c.remat else DecoderLayer
+        new_caches = []
+        for i in range(c.num_layers):
+            x_BxTxD, cache = layer_cls(c, name=f"layers_{i}")(
+                x_BxTxD, positions_BxT, attn_BxTxS, None if caches is None else caches[i],
+                cache_index)
+            new_caches.append(cache)
+        x_BxTxD = RMSNorm(c.rms_norm_eps, c.compute_dtype, c.weight_dtype, name="norm")(x_BxTxD)
+        if c.tie_word_embeddings:
+            logits = embed.attend(x_BxTxD)
+        else:
+            logits = _dense(c, c.vocab_size, ("embed", "vocab"), False, "lm_head")(x_BxTxD)
+        logits = nn.with_logical_constraint(logits.astype(jnp.float32), ("batch", "length", "vocab"))
+        return logits, (None if caches is None else new_caches)
+
+
+def forward(model: Transformer, params, tokens_BxT, mask_BxT) -> jax.Array:
+    """Teacher-forced logits `logits_BxTxV` of a (left- or right-) padded batch, no cache."""
+    logits, _ = model.apply({"params": params}, tokens_BxT, positions_from_mask(mask_BxT),
+                            causal_attention_mask(mask_BxT))
+    return logits

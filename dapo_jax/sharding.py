@@ -1,0 +1,117 @@
+"""The device mesh (data / fsdp / tensor) and the one table of logical-axis rules.
+
+Parameters and activations are annotated with logical names (`model.py`); `RULES` maps each name
+onto mesh axes, in order of preference: a mesh axis already taken by an earlier dimension of the same
+array falls through to the next rule, so activations `("batch", "length", "embed")` shard the batch
+over data x fsdp and keep `embed` whole, while parameters `("embed", "mlp")` shard over fsdp x tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Mapping
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("length", None),
+    ("norm", None),
+)
+
+
+def mesh_shape(sizes: Mapping[str, int], num_devices: int) -> tuple[int, ...]:
+    """Resolve the configured axis sizes, one of which may be -1 ("the rest")."""
+    unknown = [k for k in sizes if k not in MESH_AXES]
+    if unknown:
+        raise ValueError(f"mesh axes {unknown} are not known; use {MESH_AXES}")
+    shape = [int(sizes.get(a, 1)) for a in MESH_AXES]
+    if shape.count(-1) > 1:
+        raise ValueError(f"mesh {dict(sizes)}: at most one axis may be -1")
+    fixed = math.prod(s for s in shape if s != -1)
+    if -1 in shape:
+        if num_devices % fixed:
+            raise ValueError(f"mesh {dict(sizes)}: {num_devices} devices are not divisible by {fixed}")
+        shape[shape.index(-1)] = num_devices // fixed
+    if math.prod(shape) != num_devices:
+        raise ValueError(
+            f"mesh {dict(zip(MESH_AXES, shape))} needs {math.prod(shape)} devices but "
+            f"{num_devices} are present; set one axis to -1 to take the rest")
+    return tuple(shape)
+
+
+def make_mesh(sizes: Mapping[str, int], devices=None) -> Mesh:
+    """A mesh over all (or the given) devices with automatic sharding on every axis."""
+    devices = jax.devices() if devices is None else list(devices)
+    shape = mesh_shape(sizes, len(devices))
+    if devices == jax.devices():
+        return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(shape))
+    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES,
+                axis_types=(AxisType.Auto,) * len(shape))
+
+
+@contextlib.contextmanager
+def activate(mesh: Mesh):
+    """Make `mesh` and `RULES` current, so that logical constraints in the model take effect."""
+    with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+        yield
+
+
+def logical_to_sharding(logical_tree, mesh: Mesh):
+    """Map a tree of logical PartitionSpecs to NamedShardings on `mesh` under `RULES`."""
+    return nn.logical_to_mesh_sharding(logical_tree, mesh, RULES)
+
+
+def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+    """Leading (batch) dimension over data x fsdp, the rest replicated."""
+    return NamedSharding(mesh, PartitionSpec(("data", "fsdp"), *([None] * (ndim - 1))))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def _dummy_inputs():
+    tokens = np.zeros((1, 1), np.int32)
+    return tokens, tokens, np.ones((1, 1, 1), bool)
+
+
+def _boxed_abstract_params(model: "nn.Module"):
+    return jax.eval_shape(lambda: model.init(jax.random.key(0), *_dummy_inputs())["params"])
+
+
+def abstract_params(model: "nn.Module"):
+    """The parameters as ShapeDtypeStructs: shapes first, nothing allocated."""
+    return nn.unbox(_boxed_abstract_params(model))
+
+
+def logical_param_specs(model: "nn.Module"):
+    """The parameters' logical PartitionSpecs, e.g. `P("embed", "mlp")` for a gate kernel."""
+    return nn.get_partition_spec(_boxed_abstract_params(model))
+
+
+def param_shardings(model: "nn.Module", mesh: Mesh):
+    """NamedShardings of every parameter of `model` on `mesh`, as `RULES` says."""
+    return logical_to_sharding(logical_param_specs(model), mesh)
+
+
+def init_params(model: "nn.Module", mesh: Mesh, rng: jax.Array):
+    """Random parameters born sharded: shapes first, then one jit with `out_shardings`."""
+    shardings = param_shardings(model, mesh)
+
+    def init(rng):
+        return nn.unbox(model.init(rng, *_dummy_inputs())["params"])
+
+    with activate(mesh):
+        return jax.jit(init, out_shardings=shardings)(rng)

@@ -1,0 +1,44 @@
+"""Test-wide setup: eight fake CPU devices (set before jax is imported) and tiny HF reference models."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+
+def build_hf_model(arch: str, out_dir: str, **overrides) -> str:
+    """Save a random tiny `Qwen2ForCausalLM` or `LlamaForCausalLM` (torch, f32) to `out_dir`."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False)
+    common.update(overrides)
+    if arch == "qwen2":
+        config = transformers.Qwen2Config(**common)
+        model = transformers.Qwen2ForCausalLM(config)
+    else:
+        config = transformers.LlamaConfig(**common)
+        model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():  # random, non-zero biases and norm scales so that they are tested too
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(tmp_path_factory):
+    return build_hf_model("qwen2", str(tmp_path_factory.mktemp("qwen2")))
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory):
+    return build_hf_model("llama", str(tmp_path_factory.mktemp("llama")))
