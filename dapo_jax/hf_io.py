@@ -190,8 +190,9 @@ def save_params(params, hf_config: Mapping, out_dir: str, *, dtype: str | None =
 def load_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase:
     """The tokenizer of a local directory, chat template included; never runs remote code.
 
-    A tokenizer saved as a plain `PreTrainedTokenizerFast` is loaded as one: `AutoTokenizer` would
-    otherwise pick the class from config.json's model type (Qwen2Tokenizer) and drop its spaces.
+    A tokenizer saved as a plain fast tokenizer (`PreTrainedTokenizerFast`, transformers 5's
+    `TokenizersBackend`) is loaded as one: `AutoTokenizer` would otherwise pick the class from
+    config.json's model type (Qwen2Tokenizer) and silently drop a custom tokenizer's spaces.
     """
     if not os.path.isdir(path):
         raise FileNotFoundError(f"tokenizer directory {path} does not exist")
@@ -200,6 +201,6 @@ def load_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase:
     if os.path.isfile(config_path):
         with open(config_path) as f:
             declared = json.load(f).get("tokenizer_class")
-    if declared == "PreTrainedTokenizerFast":
+    if declared in ("PreTrainedTokenizerFast", "TokenizersBackend"):
         return transformers.PreTrainedTokenizerFast.from_pretrained(path)
     return transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=False)

@@ -1,0 +1,70 @@
+"""Orbax checkpoints of a run: the sharded train state and the host-side state beside it.
+
+One checkpoint per saved step holds two items:
+- `state`: the device pytree (policy params, optimizer state, step), restored straight into the
+  shardings of an abstract target, so nothing is gathered on one host;
+- `host`: everything else a resumed run needs to continue exactly where the saved one would have
+  gone: the PRNG key, the data iterator's position, the dynamic-sampling filter's carried groups
+  (numpy arrays), counters. A nested dict of numpy arrays and scalars, nothing pickled. Orbax
+  cannot write zero-size arrays (an empty carry), so those travel as shape and dtype in `meta`.
+
+Saves are asynchronous (the next step runs while the files are written); only complete
+checkpoints are listed, so a run killed mid-save resumes from the previous one.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import traverse_util
+
+
+class Checkpointer:
+    """Keep-last-N asynchronous checkpoints under `<workdir>/checkpoints`."""
+
+    def __init__(self, workdir: str, *, keep: int = 3, asynchronous: bool = True):
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=True, enable_async_checkpointing=asynchronous)
+        self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+        self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                              item_names=("state", "host", "meta"))
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self._manager.all_steps())
+
+    def save(self, step: int, state, host: dict) -> None:
+        """Start saving; returns before the files are written unless the manager is synchronous."""
+        flat = {"/".join(k): np.asarray(v) for k, v in traverse_util.flatten_dict(host).items()}
+        arrays = {k: v for k, v in flat.items() if v.size}
+        arrays["saved_step"] = np.asarray(step)  # also keeps the item non-empty, as orbax requires
+        empty = {k: [list(v.shape), v.dtype.str] for k, v in flat.items() if not v.size}
+        self._manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), host=ocp.args.PyTreeSave(arrays),
+            meta=ocp.args.JsonSave({"empty": empty})), force=True)
+
+    def restore(self, step: int, abstract_state) -> tuple[object, dict]:
+        """(state with the shardings of `abstract_state`, host dict of numpy arrays)."""
+        restored = self._manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), host=ocp.args.PyTreeRestore(),
+            meta=ocp.args.JsonRestore()))
+        flat = {k: np.asarray(v) for k, v in restored["host"].items()}
+        if int(flat.pop("saved_step")) != step:
+            raise ValueError(f"{self.directory}: checkpoint {step} holds the host state of another step")
+        for k, (shape, dtype) in restored["meta"]["empty"].items():
+            flat[k] = np.zeros(shape, np.dtype(dtype))
+        host = traverse_util.unflatten_dict({tuple(k.split("/")): v for k, v in flat.items()})
+        return restored["state"], host
+
+    def wait(self) -> None:
+        """Block until the pending asynchronous save is on disk."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()

@@ -1,0 +1,75 @@
+"""Curves of one or several runs: `python -m dapo_jax.plot WORKDIR [WORKDIR ...] --out DIR`.
+
+Reads each workdir's metrics.jsonl and writes one PNG per panel (accuracy / reward, entropy, mean
+response length, mean token probability, and the held-out accuracy when evaluated), runs overlaid
+for comparison, plus `curves.png` with every panel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from dapo_jax.metrics import JSONL, read_jsonl  # noqa: E402
+
+PANELS = (
+    ("acc", ("data/acc_mean", "data/score_mean"), "train accuracy / reward"),
+    ("entropy", ("actor/entropy",), "entropy (nats/token)"),
+    ("length", ("data/response_length_mean",), "mean response length (tokens)"),
+    ("token_prob", ("actor/token_prob_mean",), "mean token probability"),
+    ("eval", ("eval/avg@k", "eval/pass@k"), "held-out accuracy"),
+)
+
+
+def plot_runs(workdirs: list[str], out_dir: str) -> list[str]:
+    """Write the panels' PNGs for `workdirs` into `out_dir`; returns the paths written."""
+    runs = {}
+    for w in workdirs:
+        path = os.path.join(w, JSONL)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} does not exist: is {w} a dapo_jax workdir?")
+        runs[os.path.basename(os.path.normpath(w))] = read_jsonl(path)
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    fig_all, axes_all = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 3.6))
+    for (name, keys, title), ax_all in zip(PANELS, axes_all):
+        fig, ax = plt.subplots(figsize=(5, 3.6))
+        for axis in (ax, ax_all):
+            for run, records in runs.items():
+                for key in keys:
+                    pts = [(r["step"], r[key]) for r in records
+                           if isinstance(r.get(key), (int, float))]
+                    if pts:
+                        axis.plot(*zip(*pts), label=f"{run} {key.split('/')[-1]}")
+            axis.set_title(title)
+            axis.set_xlabel("step")
+            if axis.lines:
+                axis.legend(fontsize=7)
+        path = os.path.join(out_dir, f"{name}.png")
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    path = os.path.join(out_dir, "curves.png")
+    fig_all.tight_layout()
+    fig_all.savefig(path, dpi=80)
+    plt.close(fig_all)
+    return written + [path]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("workdirs", nargs="+")
+    parser.add_argument("--out", default=None, help="default: <first workdir>/plots")
+    args = parser.parse_args(argv)
+    for path in plot_runs(args.workdirs, args.out or os.path.join(args.workdirs[0], "plots")):
+        print(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""Build the tiny base model that the project ships: a character-level tokenizer and a ~0.9M-parameter
+Qwen2, supervised briefly on worked solutions of the synthetic arithmetic task (dapo_jax.synthetic).
+
+SFT is stopped early on purpose: the model must solve easy problems and fail hard ones, so that the
+RL run has groups with signal to learn from. It writes a Hugging Face model directory (config.json,
+model.safetensors, tokenizer) that `hf_io.load_params` and transformers both load.
+
+    python experiments/make_tiny_model.py --out assets/tiny-qwen2 --steps 500
+"""
+
+import argparse
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pyarrow.parquet as pq
+import tokenizers
+import transformers
+from tokenizers import decoders, models
+
+from dapo_jax import hf_io, model, sharding, synthetic
+
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # pad, turn start, end of turn (EOS)
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+HF_CONFIG = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 128,
+    "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "hidden_act": "silu",
+    "max_position_embeddings": 1024, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "use_sliding_window": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+}
+
+
+def build_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """One token per printable ASCII character and newline, plus the chat special tokens."""
+    chars = ["\n"] + [chr(i) for i in range(32, 127)]
+    vocab = {t: i for i, t in enumerate(list(SPECIALS) + chars)}
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    tok.add_special_tokens(list(SPECIALS))
+    tok.decoder = decoders.Fuse()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE)
+
+
+def sft_batch(tokenizer, rows, seq_len):
+    """Right-padded prompt + solution + EOS, with a loss mask on the solution and EOS only."""
+    tokens = np.zeros((len(rows), seq_len), np.int32)
+    loss_mask = np.zeros((len(rows), seq_len), bool)
+    for i, row in enumerate(rows):
+        prompt = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True,
+                                               tokenize=False)
+        p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        r = tokenizer(row["extra_info"]["solution"], add_special_tokens=False)["input_ids"]
+        ids = (p + r + [tokenizer.eos_token_id])[:seq_len]
+        tokens[i, :len(ids)] = ids
+        loss_mask[i, len(p):len(ids)] = True
+    return tokens, loss_mask
+
+
+def train(params, m, tokenizer, rows, *, steps, batch, seq_len, lr, seed):
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, 100, steps, lr * 0.1)
+    opt = optax.adamw(schedule, weight_decay=0.01)
+    opt_state = opt.init(params)
+
+    @jax.jit
+    def step(params, opt_state, tokens, loss_mask):
+        def loss_fn(p):
+            logits = model.forward(m, p, tokens, tokens > 0)[:, :-1]
+            nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1)[..., 0]
+            target = loss_mask[:, 1:]
+            return (nll * target).sum() / target.sum()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    rng = np.random.default_rng(seed)
+    start = time.time()
+    for i in range(steps):
+        chosen = [rows[j] for j in rng.integers(0, len(rows), batch)]
+        params, opt_state, loss = step(params, opt_state, *sft_batch(tokenizer, chosen, seq_len))
+        if i % 50 == 0 or i == steps - 1:
+            print(f"step {i:5d}  loss {float(loss):.4f}  {time.time() - start:6.0f}s", flush=True)
+    return params
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="assets/tiny-qwen2")
+    parser.add_argument("--steps", type=int, default=500, help="SFT steps; few on purpose")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--seq_len", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    tokenizer = build_tokenizer()
+    test_path = os.path.join("data", "synthetic", "test.parquet")
+    test_problems = frozenset(r["prompt"][0]["content"] for r in pq.read_table(test_path).to_pylist())
+    rows = synthetic.generate(50_000, seed=1000 + args.seed, exclude=test_problems)
+
+    cfg = hf_io.config_from_hf(HF_CONFIG, dtype="float32")
+    m = model.Transformer(cfg)
+    mesh = sharding.make_mesh({"data": -1}, devices=jax.devices()[:1])
+    params = sharding.init_params(m, mesh, jax.random.key(args.seed))
+    params = train(params, m, tokenizer, rows, steps=args.steps, batch=args.batch,
+                   seq_len=args.seq_len, lr=args.lr, seed=args.seed)
+
+    hf_io.save_params(params, HF_CONFIG, args.out)
+    tokenizer.save_pretrained(args.out)
+    with open(os.path.join(args.out, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": 2, "pad_token_id": 0, "bos_token_id": 1}, f, indent=2)
+    print(f"saved {cfg.num_params():,} parameters and the tokenizer to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Metrics writers: real TensorBoard event files, JSONL truncated on resume, plots of several runs."""
+
+import glob
+import os
+import struct
+
+from tensorboardX.proto import event_pb2
+
+from dapo_jax import metrics, plot
+
+
+def _tb_scalars(workdir):
+    """(tag, step, value) of every scalar in a workdir's event files, read as TFRecords."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(workdir, "tensorboard", "events.*"))):
+        data = open(path, "rb").read()
+        i = 0
+        while i < len(data):
+            (n,) = struct.unpack("<Q", data[i:i + 8])
+            event = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+            i += 12 + n + 4
+            out += [(v.tag, event.step, v.simple_value) for v in event.summary.value]
+    return out
+
+
+def test_jsonl_and_tensorboard_and_resume(tmp_path):
+    w = metrics.MetricsWriter(str(tmp_path))
+    for step in (1, 2, 3):
+        w.write(step, {"data/acc_mean": step / 10, "actor/entropy": float("nan")})
+    w.close()
+    assert ("data/acc_mean", 2, 0.2) in [(t, s, round(v, 6)) for t, s, v in _tb_scalars(tmp_path)]
+    records = metrics.read_jsonl(str(tmp_path / "metrics.jsonl"))
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[0]["actor/entropy"] == "nan"  # non-finite values are kept, as strings
+
+    resumed = metrics.MetricsWriter(str(tmp_path), resume_step=1)  # checkpoint at 1, killed at 3
+    resumed.write(2, {"data/acc_mean": 0.5})
+    resumed.close()
+    records = metrics.read_jsonl(str(tmp_path / "metrics.jsonl"))
+    assert [(r["step"], r["data/acc_mean"]) for r in records] == [(1, 0.1), (2, 0.5)]
+
+
+def test_console_line_shows_headline_figures():
+    line = metrics.console_line(7, {"data/acc_mean": 0.4567, "actor/entropy": 1.25})
+    assert line == "step     7  acc 0.457  ent 1.250"
+
+
+def test_plot_writes_one_png_per_panel_for_several_runs(tmp_path):
+    for run, acc in (("a", 0.1), ("b", 0.3)):
+        w = metrics.MetricsWriter(str(tmp_path / run))
+        for step in range(3):
+            w.write(step, {"data/acc_mean": acc + step / 10, "actor/entropy": 1.0,
+                           "data/response_length_mean": 20.0, "actor/token_prob_mean": 0.5})
+        w.close()
+    paths = plot.plot_runs([str(tmp_path / "a"), str(tmp_path / "b")], str(tmp_path / "plots"))
+    assert {os.path.basename(p) for p in paths} == {
+        "acc.png", "entropy.png", "length.png", "token_prob.png", "eval.png", "curves.png"}
+    assert all(open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n" for p in paths)
