@@ -1,0 +1,72 @@
+"""Evaluation metrics over n samples per problem (spec section 7). Host code; no jax.
+
+For a problem with n samples of which c are correct:
+  avg@n   mean accuracy, c / n, averaged over problems (DAPO reports avg@32 on AIME 2024);
+  pass@k  P(at least one of k samples drawn without replacement is correct), the unbiased
+          estimator 1 - C(n-c, k) / C(n, k); when k == n it is 1 if c > 0 else 0;
+  maj@k   (cons@k) correctness of the most frequent normalised answer among the first k samples.
+          Non-answers (INVALID, ERROR, TIMEOUT, empty) do not vote; none left means wrong.
+          Ties are scored by expected correctness under a uniformly random tie-break (the
+          fraction of tied answers that are correct), so the result does not depend on sample
+          order within the vote. An answer's correctness is the mean `acc` of its samples.
+"""
+
+import collections
+import math
+
+from dapo_jax.rewards import ERROR, INVALID, TIMEOUT
+
+_NON_ANSWERS = {INVALID, ERROR, TIMEOUT, ""}
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct: 1 - C(n-c, k) / C(n, k)."""
+    if not 1 <= k <= n or not 0 <= c <= n:
+        raise ValueError(f"need 1 <= k <= n and 0 <= c <= n, got n={n}, c={c}, k={k}")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def majority_correct(preds: list, accs: list) -> float:
+    """maj@len(preds) of one problem: credit of the majority answer, ties split (module doc)."""
+    votes, correct = collections.Counter(), collections.defaultdict(list)
+    for pred, acc in zip(preds, accs):
+        if pred not in _NON_ANSWERS:
+            votes[pred] += 1
+            correct[pred].append(float(acc))
+    if not votes:
+        return 0.0
+    top = max(votes.values())
+    tied = [pred for pred, count in votes.items() if count == top]
+    return sum(sum(correct[p]) / len(correct[p]) for p in tied) / len(tied)
+
+
+def default_ks(n: int) -> list:
+    """1, 2, 4, ... up to n, and n."""
+    return sorted({2**i for i in range(n.bit_length()) if 2**i <= n} | {n})
+
+
+def evaluate(records, ks=None) -> dict:
+    """Metrics from per-sample records, dicts with "problem_id", "pred" (normalised), "acc".
+
+    Every problem must have the same number n of samples; `ks` defaults to `default_ks(n)`.
+    Returns {"avg@n", "pass@k" and "maj@k" for each k, "num_problems", "samples_per_problem"}.
+    """
+    by_problem = collections.defaultdict(list)
+    for record in records:
+        by_problem[record["problem_id"]].append((record["pred"], bool(record["acc"])))
+    if not by_problem:
+        raise ValueError("no evaluation records")
+    counts = {pid: len(samples) for pid, samples in by_problem.items()}
+    n = min(counts.values())
+    if max(counts.values()) != n:
+        raise ValueError(f"every problem needs the same number of samples, got {counts}")
+    ks = default_ks(n) if ks is None else sorted(ks)
+    metrics = {"num_problems": len(by_problem), "samples_per_problem": n}
+    problems = list(by_problem.values())
+    metrics[f"avg@{n}"] = sum(sum(a for _, a in s) / n for s in problems) / len(problems)
+    for k in ks:
+        metrics[f"pass@{k}"] = sum(pass_at_k(n, sum(a for _, a in s), k)
+                                   for s in problems) / len(problems)
+        metrics[f"maj@{k}"] = sum(majority_correct([p for p, _ in s[:k]], [a for _, a in s[:k]])
+                                  for s in problems) / len(problems)
+    return metrics

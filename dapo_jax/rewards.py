@@ -1,0 +1,343 @@
+"""Rule-based rewards (DAPO spec sections 4 and 6). Host code on strings and numpy; no jax.
+
+Score of one response o_i against its ground truth:
+  math_dapo:   the last 300 characters of o_i, the last match of `(?i)Answer\\s*:\\s*([^\\n]+)`,
+               prediction and ground truth normalised Minerva-style (`normalize_answer`);
+               score_i = +1.0 if equal else -1.0, acc_i = that bool, pred_i = the normalised answer.
+  math_verify: the same extraction, equivalence decided by the optional `math-verify` package.
+
+R_i = score_i + overlong_penalty(|o_i|) (soft overlong punishment, section 4).
+`RewardScorer` runs a reward fn in worker processes with a per-call timeout: a fn that raises or
+hangs costs one wrong answer, one count and at most one log line, never the run.
+"""
+
+import collections
+import importlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+import re
+import time
+
+import numpy as np
+
+INVALID = "[INVALID]"  # no "Answer:" line in the last 300 characters
+ERROR = "[ERROR]"      # the reward fn raised, returned garbage, or killed its worker
+TIMEOUT = "[TIMEOUT]"  # the reward fn ran past its time limit
+
+TAIL_CHARS = 300
+_ANSWER_RE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
+
+# Units and filler words, dropped as whole words (so "ft" never eats "\left").
+_UNIT_WORDS = (
+    "degrees", "degree", "cm", "mm", "km", "meters", "meter", "inches", "inch", "feet", "foot",
+    "ft", "miles", "mile", "mph", "dollars", "dollar", "cents", "cent", "pounds", "pound", "hours",
+    "hour", "minutes", "minute", "seconds", "days", "units", "square", "sq", "points", "ways",
+    "integers", "digits", "students", "edges", "meals", "gm", "kg",
+)
+_UNIT_RE = re.compile(r"(?<![A-Za-z\\])(?:%s)(?![A-Za-z])" % "|".join(_UNIT_WORDS), re.IGNORECASE)
+# Markup that carries no value: degree and percent signs, dollars, LaTeX spacing, ellipses, quotes.
+_DROPPED_MARKUP = ("^{\\circ}", "^\\circ", "\\%", "%", "\\$", "$", "\\,", "\\!", "\\;", "\\:",
+                   "\\ ", "\\ldots", "\\dots", '"')
+_UNWRAPPED_COMMANDS = ("boxed", "fbox", "text", "textbf", "mbox", "mathrm")
+_THOUSANDS_RE = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+
+
+def _unwrap(text: str, command: str) -> str:
+    """Replaces every `\\command{X}` by X, matching braces (nested wrappers allowed)."""
+    head = "\\" + command + "{"
+    while (start := text.find(head)) >= 0:
+        depth, end = 1, start + len(head)
+        while end < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[end], 0)
+            end += 1
+        inner_end = end - 1 if depth == 0 else end
+        text = text[:start] + text[start + len(head):inner_end] + text[end:]
+    return text
+
+
+def normalize_answer(answer: str) -> str:
+    """Minerva-style normalisation of a final answer (spec section 6).
+
+    Keeps what follows the last "="; unwraps \\boxed{}, \\text{} and similar; drops unit words,
+    degree and percent signs, `$`, LaTeX spacing, then all whitespace; strips a trailing period;
+    removes thousands commas from a pure number ("1,000" -> "1000", but the list "1,2" stays).
+    """
+    text = answer.split("=")[-1]
+    for command in _UNWRAPPED_COMMANDS:
+        text = _unwrap(text, command)
+    for markup in _DROPPED_MARKUP:
+        text = text.replace(markup, "")
+    text = _UNIT_RE.sub("", text)
+    text = re.sub(r"\s+", "", text).rstrip(".")
+    if _THOUSANDS_RE.fullmatch(text):
+        text = text.replace(",", "")
+    return text
+
+
+def extract_answer(response_text: str) -> str | None:
+    """The raw text after the last "Answer:" within the last TAIL_CHARS characters, or None."""
+    matches = _ANSWER_RE.findall(response_text[-TAIL_CHARS:])
+    return matches[-1] if matches else None
+
+
+def math_dapo_score(response_text: str, ground_truth: str) -> dict:
+    """DAPO's math reward: {"score": ±1.0, "acc": bool, "pred": normalised answer or INVALID}."""
+    raw = extract_answer(response_text)
+    if raw is None:
+        return {"score": -1.0, "acc": False, "pred": INVALID}
+    pred = normalize_answer(raw)
+    acc = bool(pred) and pred == normalize_answer(ground_truth)
+    return {"score": 1.0 if acc else -1.0, "acc": acc, "pred": pred}
+
+
+def math_verify_score(response_text: str, ground_truth: str) -> dict:
+    """Second checker: the same extraction, equivalence by `math_verify.verify(parse(gt), parse(x))`.
+
+    Accepts symbolic equivalents ("1/2" and "0.5") that string equality rejects.
+    """
+    math_verify = _import_math_verify()
+    raw = extract_answer(response_text)
+    if raw is None:
+        return {"score": -1.0, "acc": False, "pred": INVALID}
+    acc = bool(math_verify.verify(math_verify.parse(ground_truth), math_verify.parse(raw)))
+    return {"score": 1.0 if acc else -1.0, "acc": acc, "pred": normalize_answer(raw)}
+
+
+def _import_math_verify():
+    try:
+        return importlib.import_module("math_verify")
+    except ImportError as e:
+        raise ImportError("reward fn 'math_verify' needs an optional package: "
+                          "pip install math-verify") from e
+
+
+REWARD_FNS = {"math_dapo": math_dapo_score, "math_verify": math_verify_score}
+
+
+def get_reward_fn(name: str):
+    """The reward fn registered as `name`; checks an optional dependency now, not mid-run."""
+    if name not in REWARD_FNS:
+        raise ValueError(f"unknown reward fn {name!r}; valid names: {sorted(REWARD_FNS)}")
+    if name == "math_verify":
+        _import_math_verify()
+    return REWARD_FNS[name]
+
+
+def overlong_penalty(length: int, max_len: int, buffer_len: int, factor: float = 1.0) -> float:
+    """Soft overlong punishment (spec section 4); lengths in tokens, L = |o_i| including EOS.
+
+    expected = L_max - L_buf;  penalty = min(-(L - expected) / L_buf * factor, 0).
+    """
+    return float(overlong_penalties([length], max_len, buffer_len, factor)[0])
+
+
+def overlong_penalties(lengths_B, max_len: int, buffer_len: int, factor: float = 1.0,
+                       enabled: bool = True) -> np.ndarray:
+    """`overlong_penalty` over a batch of lengths (float64); all zeros when not `enabled`."""
+    if not 0 < buffer_len <= max_len:
+        raise ValueError(f"need 0 < buffer_len <= max_len, got buffer_len={buffer_len}, "
+                         f"max_len={max_len}")
+    lengths_B = np.asarray(lengths_B, np.float64)
+    if not enabled:
+        return np.zeros_like(lengths_B)
+    expected = max_len - buffer_len
+    return np.minimum(-(lengths_B - expected) / buffer_len * factor, 0.0) + 0.0  # no -0.0
+
+
+def overlong_filter_mask(truncated_B, enabled: bool = True) -> np.ndarray:
+    """Overlong filtering (spec section 4): per-response keep mask, False where truncated.
+
+    Truncated = no EOS within L_max. All True when not `enabled`. The trainer applies it to the
+    token mask: mask_BxT & keep_B[:, None].
+    """
+    truncated_B = np.asarray(truncated_B, bool)
+    return ~truncated_B if enabled else np.ones_like(truncated_B)
+
+
+def _worker_loop(conn, reward_fn):
+    """Worker process: says it is ready, then for each list of (response, ground truth) sent to
+    it sends one result per item as soon as it has it, until it receives None."""
+    conn.send(("ready", None))
+    while (chunk := conn.recv()) is not None:
+        for response, ground_truth in chunk:
+            try:
+                conn.send(("ok", reward_fn(response, ground_truth)))
+            except Exception as e:  # pylint: disable=broad-except
+                conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+class _Worker:
+    """One spawned worker process, the parent's end of its pipe, whether it said ready, and the
+    chunk it is working on: item indices, position of the next result, when that item began."""
+
+    def __init__(self, reward_fn):
+        context = multiprocessing.get_context("spawn")
+        self.conn, child_conn = context.Pipe()
+        self.process = context.Process(target=_worker_loop, args=(child_conn, reward_fn),
+                                       daemon=True)
+        self.process.start()
+        child_conn.close()
+        self.ready = False
+        self.chunk, self.position, self.item_start = [], 0, 0.0
+
+    @property
+    def busy(self) -> bool:
+        return self.position < len(self.chunk)
+
+    def take(self, chunk: list, items: list):
+        self.conn.send(items)
+        self.chunk, self.position, self.item_start = chunk, 0, time.monotonic()
+
+    def stop(self, kill: bool):
+        if not kill:
+            try:
+                self.conn.send(None)
+            except OSError:
+                pass
+            self.process.join(timeout=1.0)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.conn.close()
+
+
+class RewardScorer:
+    """Scores responses with `reward_fn` in persistent worker processes.
+
+    Each worker gets a chunk of up to `chunk_size` items and streams back one result per item.
+    A call that raises, returns a malformed result or kills its worker is scored wrong with pred
+    ERROR; one still running `timeout_s` seconds after its worker began it is scored wrong with
+    pred TIMEOUT, its worker is killed and replaced, and the rest of its chunk is requeued. Each
+    kind of failure is logged once per scorer with the offending text; every one is counted.
+    `reward_fn` must be a picklable top-level function: workers are spawned, not forked (the
+    parent runs jax threads). Use as a context manager, or call `close()`.
+    """
+
+    def __init__(self, reward_fn, timeout_s: float = 10.0, num_workers: int = 2,
+                 chunk_size: int = 64, startup_timeout_s: float = 120.0):
+        if timeout_s <= 0 or num_workers < 1 or chunk_size < 1:
+            raise ValueError(f"need timeout_s > 0, num_workers >= 1, chunk_size >= 1; got "
+                             f"{timeout_s}, {num_workers}, {chunk_size}")
+        self._reward_fn, self._timeout_s = reward_fn, timeout_s
+        self._chunk_size, self._startup_timeout_s = chunk_size, startup_timeout_s
+        self._workers = [_Worker(reward_fn) for _ in range(num_workers)]
+        self._logged_kinds = set()
+        self.totals = {"n_error": 0, "n_timeout": 0}  # over the scorer's life
+        self._items = self._results = self._stats = self._todo = None  # of the batch in hand
+
+    def score_batch(self, responses, ground_truths) -> tuple[list[dict], dict]:
+        """Returns (one {"score", "acc", "pred"} per response, {"n_error", "n_timeout"} counts)."""
+        if len(responses) != len(ground_truths):
+            raise ValueError(f"{len(responses)} responses but {len(ground_truths)} ground truths")
+        self._items, self._results = list(zip(responses, ground_truths)), [None] * len(responses)
+        self._stats = {"n_error": 0, "n_timeout": 0}
+        self._todo = collections.deque(range(len(responses)))
+        for slot, worker in enumerate(self._workers):
+            if worker.busy:  # left over from a batch that was interrupted by an exception
+                self._replace(slot)
+        while self._todo or any(w.busy for w in self._workers):
+            self._dispatch()
+            busy = [w for w in self._workers if w.busy]
+            if busy:
+                deadline = min(w.item_start for w in busy) + self._timeout_s
+            else:
+                deadline = time.monotonic() + self._startup_timeout_s
+            waiting = [w.conn for w in self._workers if w.busy or not w.ready]
+            ready_conns = multiprocessing.connection.wait(
+                waiting, timeout=max(deadline - time.monotonic(), 0.0))
+            if not busy and not ready_conns:
+                raise RuntimeError(f"no reward worker started within {self._startup_timeout_s} s")
+            for slot, worker in enumerate(self._workers):
+                if worker.conn in ready_conns:
+                    self._receive(slot)
+            now = time.monotonic()
+            for slot, worker in enumerate(self._workers):
+                if worker.busy and now - worker.item_start >= self._timeout_s:
+                    self._fail_current(slot, "timeout", f"no result after {self._timeout_s} s")
+        results, stats = self._results, self._stats
+        for key, count in stats.items():
+            self.totals[key] += count
+        self._items = self._results = self._stats = self._todo = None
+        return results, stats
+
+    def _dispatch(self):
+        """Hands a chunk of the queued items to every ready, idle worker."""
+        for slot, worker in enumerate(self._workers):
+            if worker.ready and not worker.busy and self._todo:
+                size = min(self._chunk_size, -(-len(self._todo) // len(self._workers)))
+                chunk = [self._todo.popleft() for _ in range(size)]
+                try:
+                    worker.take(chunk, [self._items[i] for i in chunk])
+                except OSError:  # the worker died while idle: requeue for its replacement
+                    self._todo.extendleft(reversed(chunk))
+                    self._replace(slot)
+
+    def _receive(self, slot):
+        """Reads every message waiting from one worker."""
+        worker = self._workers[slot]
+        while True:
+            try:
+                status, payload = worker.conn.recv()
+            except (EOFError, OSError):
+                if not worker.ready:
+                    raise RuntimeError("a reward worker died on start; reward_fn must be a "
+                                       "top-level function importable in a fresh process")
+                self._fail_current(slot, "error", "its worker process died")
+                return
+            if status == "ready":
+                worker.ready = True
+                return
+            i = worker.chunk[worker.position]
+            self._results[i] = self._checked(status, payload, *self._items[i])
+            worker.position, worker.item_start = worker.position + 1, time.monotonic()
+            if not worker.busy or not worker.conn.poll():
+                return
+
+    def _fail_current(self, slot, kind, detail):
+        """Scores the worker's current item as failed, requeues the rest, replaces the worker."""
+        worker = self._workers[slot]
+        i = worker.chunk[worker.position]
+        self._results[i] = self._failure(kind, detail, *self._items[i])
+        self._todo.extendleft(reversed(worker.chunk[worker.position + 1:]))
+        self._replace(slot)
+
+    def _checked(self, status, payload, response, ground_truth) -> dict:
+        if status == "ok":
+            try:
+                return {"score": float(payload["score"]), "acc": bool(payload["acc"]),
+                        "pred": str(payload["pred"])}
+            except (TypeError, KeyError, ValueError) as e:
+                payload = f"malformed result {payload!r} ({type(e).__name__}: {e})"
+        return self._failure("error", payload, response, ground_truth)
+
+    def _failure(self, kind, detail, response, ground_truth) -> dict:
+        self._stats[f"n_{kind}"] += 1
+        if kind not in self._logged_kinds:
+            self._logged_kinds.add(kind)
+            logging.warning("reward fn %s: %s (logged once; later ones are only counted). "
+                            "Response tail %r, ground truth %r", kind, detail,
+                            response[-TAIL_CHARS:], ground_truth)
+        return {"score": -1.0, "acc": False, "pred": TIMEOUT if kind == "timeout" else ERROR}
+
+    def _replace(self, slot):
+        self._workers[slot].stop(kill=True)
+        self._workers[slot] = _Worker(self._reward_fn)
+
+    def close(self):
+        for worker in self._workers:
+            worker.stop(kill=False)
+        self._workers = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def score_batch(reward_fn, responses, ground_truths, timeout_s: float = 10.0,
+                num_workers: int = 2) -> tuple[list[dict], dict]:
+    """One-off `RewardScorer(reward_fn, timeout_s, num_workers).score_batch(...)`."""
+    with RewardScorer(reward_fn, timeout_s, num_workers) as scorer:
+        return scorer.score_batch(responses, ground_truths)

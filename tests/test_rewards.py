@@ -1,0 +1,135 @@
+"""math_dapo reward on hand-written responses, the overlong penalty, and failure containment."""
+
+import logging
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from dapo_jax import rewards
+
+PAD = "x" * 400  # pushes earlier text out of the last 300 characters
+
+# (response, ground truth, acc, pred)
+CASES = [
+    ("Answer: 42", "42", True, "42"),
+    ("so\nanswer : 42", "42", True, "42"),
+    ("ANSWER:42", "42", True, "42"),
+    ("Answer: $42$", "42", True, "42"),
+    ("Answer: 42 degrees", "42", True, "42"),
+    ("Answer: 42^\\circ", "42", True, "42"),
+    ("Answer: \\boxed{42}", "42", True, "42"),
+    ("Answer: $\\boxed{\\text{42}}$.", "42", True, "42"),
+    ("Answer: 1,000", "1000", True, "1000"),
+    ("Answer: 1\\,000", "1000", True, "1000"),
+    ("Answer: 1,2", "12", False, "1,2"),
+    ("Answer: x = 7", "7", True, "7"),
+    ("Answer: 3\nAnswer: 5", "5", True, "5"),
+    ("Answer: 5\nAnswer: 3", "5", False, "3"),
+    ("Answer: 41", "42", False, "41"),
+    ("Answer: -7", "7", False, "-7"),
+    ("Answer: 42" + PAD, "42", False, "[INVALID]"),  # answer line outside the last 300 chars
+    ("Answer: 1\n" + PAD + "\nAnswer: 2", "2", True, "2"),
+    ("the answer is 42", "42", False, "[INVALID]"),
+    ("", "42", False, "[INVALID]"),
+    ("Answer: $$", "42", False, ""),
+    ("Answer: 10", "10 cm", True, "10"),  # ground truth with a unit
+    ("Answer: 10 \\text{ cm}", "10 cm", True, "10"),
+    ("Answer: 11 cm", "10 cm", False, "11"),
+    ("Answer: \\left(1,2\\right)", "\\left(1,2\\right)", True, "\\left(1,2\\right)"),
+]
+
+
+@pytest.mark.parametrize("response,ground_truth,acc,pred", CASES)
+def test_math_dapo_score(response, ground_truth, acc, pred):
+    result = rewards.math_dapo_score(response, ground_truth)
+    assert result == {"score": 1.0 if acc else -1.0, "acc": acc, "pred": pred}
+
+
+def test_registry_by_name():
+    assert rewards.get_reward_fn("math_dapo") is rewards.math_dapo_score
+    with pytest.raises(ValueError, match="math_dapo"):
+        rewards.get_reward_fn("no_such_reward")
+
+
+def test_math_verify_missing_names_the_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # makes `import math_verify` fail
+    with pytest.raises(ImportError, match="pip install math-verify"):
+        rewards.get_reward_fn("math_verify")
+
+
+@pytest.mark.parametrize("length,expected", [
+    (0, 0.0), (5, 0.0), (6, 0.0),   # L <= L_max - L_buf = 6: no penalty
+    (7, -0.25), (8, -0.5), (9, -0.75),
+    (10, -1.0),                     # L = L_max: exactly -factor
+])
+def test_overlong_penalty_boundaries(length, expected):
+    assert rewards.overlong_penalty(length, max_len=10, buffer_len=4) == expected
+
+
+def test_overlong_penalty_factor_and_batch():
+    # DAPO: L_max 20480, L_buf 4096, so expected length 16384.
+    assert rewards.overlong_penalty(16384 + 1024, 20480, 4096, factor=0.5) == -0.125
+    got = rewards.overlong_penalties([3, 7, 10], max_len=10, buffer_len=4, factor=2.0)
+    np.testing.assert_array_equal(got, [0.0, -0.5, -2.0])
+    assert not np.signbit(got[0])
+    np.testing.assert_array_equal(
+        rewards.overlong_penalties([3, 7, 10], 10, 4, enabled=False), [0.0, 0.0, 0.0])
+    with pytest.raises(ValueError):
+        rewards.overlong_penalties([3], max_len=10, buffer_len=0)
+
+
+def test_overlong_filter_mask():
+    truncated = np.array([False, True, False])
+    np.testing.assert_array_equal(rewards.overlong_filter_mask(truncated), [True, False, True])
+    np.testing.assert_array_equal(
+        rewards.overlong_filter_mask(truncated, enabled=False), [True, True, True])
+
+
+def flaky_reward(response_text, ground_truth):
+    """Raises on "BOOM", hangs on "HANG", returns garbage on "JUNK", dies on "DIE", else math_dapo."""
+    if "DIE" in response_text:
+        os._exit(3)
+    if "BOOM" in response_text:
+        raise ValueError("checker exploded")
+    if "HANG" in response_text:
+        time.sleep(60)
+    if "JUNK" in response_text:
+        return "not a dict"
+    return rewards.math_dapo_score(response_text, ground_truth)
+
+
+def test_scorer_contains_errors_and_hangs(caplog):
+    responses = ["Answer: 1", "BOOM 1", "HANG", "Answer: 4", "BOOM 2", "JUNK", "Answer: 9"]
+    truths = ["1", "2", "3", "4", "5", "6", "7"]
+    with caplog.at_level(logging.WARNING), rewards.RewardScorer(
+            flaky_reward, timeout_s=0.5, num_workers=2) as scorer:
+        start = time.monotonic()
+        results, stats = scorer.score_batch(responses, truths)
+        assert time.monotonic() - start < 20
+        assert [r["pred"] for r in results] == [
+            "1", "[ERROR]", "[TIMEOUT]", "4", "[ERROR]", "[ERROR]", "9"]
+        assert [r["acc"] for r in results] == [True, False, False, True, False, False, False]
+        assert [r["score"] for r in results] == [1.0, -1.0, -1.0, 1.0, -1.0, -1.0, -1.0]
+        assert stats == {"n_error": 3, "n_timeout": 1}
+        # Logged once per kind, with the offending text.
+        messages = [r.getMessage() for r in caplog.records if "reward fn" in r.getMessage()]
+        assert len(messages) == 2
+        assert "BOOM" in messages[0] and "checker exploded" in messages[0]
+        assert "HANG" in messages[1]
+        # The scorer goes on after replacing the hung worker.
+        results, stats = scorer.score_batch(["Answer: 5", "HANG", "DIE", "Answer: 8"],
+                                            ["5", "5", "5", "8"])
+        assert [r["pred"] for r in results] == ["5", "[TIMEOUT]", "[ERROR]", "8"]
+        assert stats == {"n_error": 1, "n_timeout": 1}
+        assert scorer.totals == {"n_error": 4, "n_timeout": 2}
+        assert len([r for r in caplog.records if "reward fn" in r.getMessage()]) == 2
+
+
+def test_score_batch_one_off():
+    results, stats = rewards.score_batch(rewards.math_dapo_score, ["Answer: 3", "no"], ["3", "3"],
+                                         num_workers=1)
+    assert [r["acc"] for r in results] == [True, False]
+    assert stats == {"n_error": 0, "n_timeout": 0}
