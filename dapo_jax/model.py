@@ -63,7 +63,10 @@ class ModelConfig:
 
 
 class KVCache(NamedTuple):
-    """One layer's cache: keys and values for S slots, `k_BxSxKxH`, `v_BxSxKxH` (K kv heads)."""
+    """One layer's cache: keys and values for S slots, `k_BxKxSxH`, `v_BxKxSxH` (K kv heads).
+
+    Slots are the second-to-last axis so that the attention dots read the cache without a
+    transpose (a [B, S, K, H] layout made XLA transpose the whole cache at every decode step)."""
 
     k: jax.Array
     v: jax.Array
@@ -71,7 +74,7 @@ class KVCache(NamedTuple):
 
 def init_cache(config: ModelConfig, batch: int, length: int) -> list[KVCache]:
     """Zeroed per-layer caches of `length` slots in the compute dtype."""
-    shape = (batch, length, config.num_kv_heads, config.head_dim)
+    shape = (batch, config.num_kv_heads, length, config.head_dim)
     zeros = lambda: jnp.zeros(shape, config.compute_dtype)
     return [KVCache(zeros(), zeros()) for _ in range(config.num_layers)]
 
@@ -160,21 +163,21 @@ class Attention(nn.Module):
         val = _dense(c, k * h, ("embed", "kv_heads"), c.qkv_bias, "v_proj")(x_BxTxD)
         inv_freq = rope_inverse_frequencies(c)
         q_BxTxNxH = apply_rope(q.reshape(b, t, n, h), positions_BxT, inv_freq)
-        k_BxTxKxH = apply_rope(key.reshape(b, t, k, h), positions_BxT, inv_freq)
-        v_BxTxKxH = val.reshape(b, t, k, h)
+        k_BxKxTxH = apply_rope(key.reshape(b, t, k, h), positions_BxT, inv_freq).transpose(0, 2, 1, 3)
+        v_BxKxTxH = val.reshape(b, t, k, h).transpose(0, 2, 1, 3)
         if cache is not None:
-            start = (0, cache_index, 0, 0)
-            k_BxSxKxH = jax.lax.dynamic_update_slice(cache.k, k_BxTxKxH.astype(cache.k.dtype), start)
-            v_BxSxKxH = jax.lax.dynamic_update_slice(cache.v, v_BxTxKxH.astype(cache.v.dtype), start)
-            cache = KVCache(k_BxSxKxH, v_BxSxKxH)
+            start = (0, 0, cache_index, 0)
+            k_BxKxSxH = jax.lax.dynamic_update_slice(cache.k, k_BxKxTxH.astype(cache.k.dtype), start)
+            v_BxKxSxH = jax.lax.dynamic_update_slice(cache.v, v_BxKxTxH.astype(cache.v.dtype), start)
+            cache = KVCache(k_BxKxSxH, v_BxKxSxH)
         else:
-            k_BxSxKxH, v_BxSxKxH = k_BxTxKxH, v_BxTxKxH
+            k_BxKxSxH, v_BxKxSxH = k_BxKxTxH, v_BxKxTxH
         q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, k, n // k, h)
-        scores = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxSxKxH,
+        scores = jnp.einsum("btkgh,bksh->bkgts", q_BxTxKxGxH, k_BxKxSxH,
                             preferred_element_type=jnp.float32) / math.sqrt(h)
         scores = jnp.where(attn_BxTxS[:, None, None], scores, _NEG_INF)
         probs = jax.nn.softmax(scores, axis=-1).astype(c.compute_dtype)
-        out = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxSxKxH).reshape(b, t, n * h)
+        out = jnp.einsum("bkgts,bksh->btkgh", probs, v_BxKxSxH).reshape(b, t, n * h)
         out = nn.with_logical_constraint(out, ("batch", "length", "heads"))
         return _dense(c, c.hidden_size, ("heads", "embed"), False, "o_proj")(out), cache
 

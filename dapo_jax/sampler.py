@@ -1,0 +1,243 @@
+"""Rollouts: prefill P left-padded prompts once, then sample G completions of each in one jitted loop.
+
+Layout. Prompts are left padded to a bucket length L, so every prompt ends at slot L-1. The prefill
+runs the first L-1 prompt columns into per-layer KV caches of S = L + N - 1 slots (N = max new
+tokens), which are then repeated G times along the batch (row b = p*G + g, a group's rows
+contiguous). Decode step t (a `lax.while_loop` iteration) feeds one token per row at the shared slot
+L-1+t, the last prompt token when t = 0 and the token sampled at t-1 after, at position
+`prompt_len - 1 + t` of its own row, and samples token t from the logits. A row reads cache slot s iff
+s holds a real prompt token or a token it fed, and s <= L-1+t. The loop stops after N tokens or when
+every row has ended (an id of `eos_ids`, which is kept and counted in the length).
+
+Log-probs. `logp_BxN` is log_softmax(logits / temperature) at the sampled token, before top-k /
+top-p truncation: the distribution the trainer recomputes from the same parameters with
+`model.forward`, so that the importance ratio of the first update is exactly one. The truncation only
+changes which tokens can be drawn.
+
+Randomness. Row (p, g) draws step t with key fold_in(fold_in(fold_in(rng, uid_p), g), t), so samples
+are reproducible and a row's samples do not depend on the other rows of the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from dapo_jax import sharding
+from dapo_jax.model import KVCache, Transformer, causal_attention_mask, init_cache, positions_from_mask
+
+_CACHE_AXES = ("batch", "kv_heads", "length", None)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """Static sampling knobs: changing any of them compiles a new rollout function."""
+
+    max_new_tokens: int  # N, completion length budget
+    eos_ids: tuple[int, ...]  # ids that end a sequence: EOS and any stop tokens
+    pad_id: int  # fills the completion after its end
+    prompt_buckets: tuple[int, ...]  # prompt lengths L compiled for, ascending
+    temperature: float = 1.0
+    top_p: float = 1.0  # nucleus: keep the most likely tokens up to this probability mass
+    top_k: int = 0  # keep the k most likely tokens; 0 keeps all
+    greedy: bool = False  # argmax instead of sampling (logp still under log_softmax(logits / T))
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.prompt_buckets or list(self.prompt_buckets) != sorted(set(self.prompt_buckets)) \
+                or self.prompt_buckets[0] < 1:
+            raise ValueError(f"prompt_buckets must be positive and ascending, got {self.prompt_buckets}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0 (use greedy=True), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+def prefill(model: Transformer, params, tokens_PxT, mask_PxT, cache_len: int) -> list[KVCache]:
+    """Fresh caches of `cache_len` slots holding the keys/values of the T prompt tokens at slots
+    0..T-1. The logits are not used, so XLA drops the LM head over the T x vocab positions."""
+    caches = init_cache(model.config, tokens_PxT.shape[0], cache_len)
+    t = tokens_PxT.shape[1]
+    if t == 0:
+        return caches
+    attn_PxTxS = jnp.pad(causal_attention_mask(mask_PxT), ((0, 0), (0, 0), (0, cache_len - t)))
+    _, caches = model.apply({"params": params}, tokens_PxT, positions_from_mask(mask_PxT),
+                            attn_PxTxS, caches, 0)
+    return caches
+
+
+def decode_step(model: Transformer, params, tokens_B, positions_B, attn_BxS, caches, slot):
+    """Feed one token per row at cache `slot`; returns `(logits_BxV, caches)`."""
+    logits_Bx1xV, caches = model.apply({"params": params}, tokens_B[:, None], positions_B[:, None],
+                                       attn_BxS[:, None, :], caches, slot)
+    return logits_Bx1xV[:, 0], caches
+
+
+def truncate_logits(logits_BxV, top_k: int, top_p: float):
+    """Set to -inf the logits outside the top k, then outside the smallest set of most likely
+    tokens whose (renormalised) probability reaches top_p. Ties at the boundary are kept."""
+    if top_k:
+        kth_Bx1 = jax.lax.top_k(logits_BxV, top_k)[0][:, -1:]
+        logits_BxV = jnp.where(logits_BxV < kth_Bx1, -jnp.inf, logits_BxV)
+    if top_p < 1:
+        sorted_BxV = -jnp.sort(-logits_BxV, axis=-1)
+        probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
+        mass_before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV
+        cutoff_Bx1 = jnp.min(jnp.where(mass_before_BxV < top_p, sorted_BxV, jnp.inf), -1, keepdims=True)
+        logits_BxV = jnp.where(logits_BxV < cutoff_Bx1, -jnp.inf, logits_BxV)
+    return logits_BxV
+
+
+def sample_token(logits_BxV, keys_B, config: SamplingConfig):
+    """Draw one token per row; returns `(token_B, logp_B)` with logp under log_softmax(logits / T)."""
+    scaled_BxV = logits_BxV / config.temperature
+    if config.greedy:
+        token_B = jnp.argmax(logits_BxV, axis=-1)
+    else:
+        truncated_BxV = truncate_logits(scaled_BxV, config.top_k, config.top_p)
+        token_B = jax.vmap(jax.random.categorical)(keys_B, truncated_BxV)
+    logp_BxV = jax.nn.log_softmax(scaled_BxV, axis=-1)
+    logp_B = jnp.take_along_axis(logp_BxV, token_B[:, None], axis=-1)[:, 0]
+    return token_B.astype(jnp.int32), logp_B
+
+
+class _LoopState(NamedTuple):
+    step: jax.Array  # t: tokens sampled so far
+    feed_B: jax.Array  # token fed at slot L-1+t
+    caches: list[KVCache]
+    tokens_BxN: jax.Array
+    logp_BxN: jax.Array
+    ended_B: jax.Array  # sampled an end id
+    length_B: jax.Array
+
+
+def rollout(model: Transformer, config: SamplingConfig, n: int, params, prompt_PxL, mask_PxL,
+            uids_P, rng) -> dict:
+    """G = `n` completions of each of P left-padded prompts (pure; jitted by `Sampler`)."""
+    p, l = prompt_PxL.shape
+    n_new, b = config.max_new_tokens, p * n
+    s = l + n_new - 1
+    mask_PxL = mask_PxL.astype(bool)
+    constrain = lambda caches: [KVCache(*(nn.with_logical_constraint(x, _CACHE_AXES) for x in c))
+                                for c in caches]
+    repeat = lambda x: jnp.repeat(x, n, axis=0)
+
+    caches = prefill(model, params, prompt_PxL[:, :-1], mask_PxL[:, :-1], s)
+    caches = constrain(jax.tree.map(repeat, caches))
+    readable_BxS = repeat(jnp.pad(mask_PxL, ((0, 0), (0, n_new - 1)), constant_values=True))
+    first_pos_B = repeat(mask_PxL.sum(-1, dtype=jnp.int32) - 1)
+    row_keys_B = jax.vmap(jax.random.fold_in)(
+        repeat(jax.vmap(jax.random.fold_in, (None, 0))(rng, uids_P)), jnp.tile(jnp.arange(n), p))
+    eos_E = jnp.asarray(config.eos_ids, jnp.int32).reshape(-1)
+
+    def body(st: _LoopState) -> _LoopState:
+        slot = l - 1 + st.step
+        attn_BxS = readable_BxS & (jnp.arange(s) <= slot)
+        logits_BxV, caches = decode_step(model, params, st.feed_B, first_pos_B + st.step, attn_BxS,
+                                         st.caches, slot)
+        keys_B = jax.vmap(jax.random.fold_in, (0, None))(row_keys_B, st.step)
+        token_B, logp_B = sample_token(logits_BxV, keys_B, config)
+        token_B = jnp.where(st.ended_B, config.pad_id, token_B)
+        logp_B = jnp.where(st.ended_B, 0.0, logp_B)
+        return _LoopState(
+            step=st.step + 1,
+            feed_B=token_B,
+            caches=constrain(caches),
+            tokens_BxN=jax.lax.dynamic_update_index_in_dim(st.tokens_BxN, token_B, st.step, 1),
+            logp_BxN=jax.lax.dynamic_update_index_in_dim(st.logp_BxN, logp_B, st.step, 1),
+            ended_B=st.ended_B | jnp.isin(token_B, eos_E),
+            length_B=st.length_B + (~st.ended_B),
+        )
+
+    def running(st: _LoopState):
+        return (st.step < n_new) & ~jnp.all(st.ended_B)
+
+    init = _LoopState(
+        step=jnp.zeros((), jnp.int32),
+        feed_B=repeat(prompt_PxL[:, -1]),
+        caches=caches,
+        tokens_BxN=jnp.full((b, n_new), config.pad_id, jnp.int32),
+        logp_BxN=jnp.zeros((b, n_new), jnp.float32),
+        ended_B=jnp.zeros((b,), bool),
+        length_B=jnp.zeros((b,), jnp.int32),
+    )
+    out = jax.lax.while_loop(running, body, init)
+    return {
+        "tokens": out.tokens_BxN,  # B x N, pad_id after the end
+        "logp": out.logp_BxN,  # B x N, 0 after the end
+        "mask": jnp.arange(n_new) < out.length_B[:, None],  # B x N completion mask
+        "length": out.length_B,  # B, the end id included
+        "truncated": ~out.ended_B,  # B, reached N tokens without an end id
+    }
+
+
+def _fit_bucket(prompt_PxL: np.ndarray, mask_PxL: np.ndarray, buckets: tuple[int, ...], pad_id: int):
+    """Re-pad a left-padded batch to the smallest bucket that holds its longest prompt."""
+    mask_PxL = np.asarray(mask_PxL, bool)
+    lengths_P = mask_PxL.sum(-1)
+    if np.any(np.diff(mask_PxL.astype(np.int8), axis=-1) < 0):
+        raise ValueError("prompts must be left padded: a pad follows a real token")
+    if lengths_P.min(initial=1) < 1:
+        raise ValueError("every prompt needs at least one real token")
+    longest = int(lengths_P.max())
+    fits = [b for b in buckets if b >= longest]
+    if not fits:
+        raise ValueError(f"a prompt of {longest} tokens exceeds the largest bucket {buckets[-1]}")
+    width, l = fits[0], prompt_PxL.shape[1]
+    if width <= l:
+        return np.asarray(prompt_PxL[:, l - width:], np.int32), mask_PxL[:, l - width:]
+    pad = ((0, 0), (width - l, 0))
+    return (np.pad(np.asarray(prompt_PxL, np.int32), pad, constant_values=pad_id),
+            np.pad(mask_PxL, pad, constant_values=False))
+
+
+class Sampler:
+    """Rollouts of `model` with the trainer's parameters, where they lie on `mesh`.
+
+    One compilation per (prompt bucket, P, G); `num_traces` counts them.
+    """
+
+    def __init__(self, model: Transformer, config: SamplingConfig, mesh: Mesh):
+        self.model, self.config, self.mesh = model, config, mesh
+        self.num_traces = 0
+        self._param_shardings = sharding.param_shardings(model, mesh)
+        self._data_size = mesh.shape["data"] * mesh.shape["fsdp"]
+        self._jitted = {}  # n -> jitted rollout
+
+    def _rollout_fn(self, n: int):
+        if n in self._jitted:
+            return self._jitted[n]
+
+        def traced(*args):
+            self.num_traces += 1
+            return rollout(self.model, self.config, n, *args)
+
+        rep = sharding.replicated(self.mesh)
+        out = {k: sharding.batch_sharding(self.mesh, 1 if k in ("length", "truncated") else 2)
+               for k in ("tokens", "logp", "mask", "length", "truncated")}
+        self._jitted[n] = jax.jit(traced, in_shardings=(self._param_shardings, rep, rep, rep, rep),
+                                  out_shardings=out)
+        return self._jitted[n]
+
+    def generate(self, params, prompt_PxL, mask_PxL, n: int, rng, uids_P=None) -> dict:
+        """`n` completions of each left-padded prompt: a dict of B = P*n rows (row p*n + g), sharded
+        over the data axes: `tokens` (BxN int32), `logp` (BxN f32), `mask` (BxN bool), `length` (B),
+        `truncated` (B). `uids_P` (default 0..P-1) seed each prompt's rows with its own key."""
+        p = prompt_PxL.shape[0]
+        if (p * n) % self._data_size:
+            raise ValueError(f"P*n = {p * n} rows do not divide over the {self._data_size} devices "
+                             "of the data x fsdp mesh axes")
+        uids_P = np.arange(p, dtype=np.int32) if uids_P is None else np.asarray(uids_P, np.int32)
+        prompt_PxL, mask_PxL = _fit_bucket(prompt_PxL, mask_PxL, self.config.prompt_buckets,
+                                          self.config.pad_id)
+        with sharding.activate(self.mesh):
+            return self._rollout_fn(n)(params, prompt_PxL, mask_PxL, uids_P, rng)

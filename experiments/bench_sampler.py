@@ -1,0 +1,132 @@
+"""Decode throughput of `sampler.Sampler` against transformers `generate` on one tiny Qwen2 (CPU, f32).
+
+Both sample (T = 1, no truncation, no end id, so every row makes all N tokens) from the same weights,
+the same left-padded prompts, timed in the same run after a warm-up (ours: after compilation, with
+block_until_ready). The time covers prefill and decode. Then an estimate of what bounds our step:
+FLOPs per token against a measured matmul peak, bytes read per step (weights + the KV cache's S slots)
+against a measured memory bandwidth, and the per-step floor of a batch of 8 rows.
+
+    PYTHONPATH=. python experiments/bench_sampler.py --batch 128 --new 128 --prompt 32
+"""
+
+import argparse
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import transformers
+
+from dapo_jax import hf_io, model, sampler, sharding
+
+QWEN2_TINY = dict(vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  tie_word_embeddings=False)
+
+
+def prompts(batch, width, vocab, seed=0):
+    rng = np.random.default_rng(seed)
+    lengths_P = rng.integers(width // 2, width + 1, size=batch)
+    mask_PxL = np.arange(width)[None] >= width - lengths_P[:, None]
+    return np.where(mask_PxL, rng.integers(1, vocab, size=(batch, width)), 0).astype(np.int32), mask_PxL
+
+
+def time_ours(m, params, mesh, tokens, mask, new, repeats):
+    cfg = sampler.SamplingConfig(max_new_tokens=new, eos_ids=(), pad_id=0,
+                                 prompt_buckets=(tokens.shape[1],))
+    s = sampler.Sampler(m, cfg, mesh)
+    run = lambda i: jax.block_until_ready(s.generate(params, tokens, mask, 1, jax.random.key(i)))
+    run(0)  # compile
+    start = time.perf_counter()
+    for i in range(repeats):
+        out = run(i + 1)
+    seconds = (time.perf_counter() - start) / repeats
+    assert int(out["length"].min()) == new and s.num_traces == 1
+    return seconds
+
+
+def time_hf(model_dir, tokens, mask, new):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids, attn = torch.tensor(tokens, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
+    kw = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, eos_token_id=None, pad_token_id=0)
+    with torch.inference_mode():
+        hf.generate(input_ids=ids, attention_mask=attn, max_new_tokens=8, **kw)  # warm-up
+        start = time.perf_counter()
+        out = hf.generate(input_ids=ids, attention_mask=attn, max_new_tokens=new, **kw)
+        seconds = time.perf_counter() - start
+    assert out.shape[1] == tokens.shape[1] + new
+    return seconds
+
+
+def matmul_flops_per_s(n=1024, repeats=20):
+    a = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda x: x @ x)
+    jax.block_until_ready(f(a))
+    start = time.perf_counter()
+    for _ in range(repeats):
+        jax.block_until_ready(f(a))
+    return 2 * n**3 * repeats / (time.perf_counter() - start)
+
+
+def bytes_per_s(mb=512, repeats=10):
+    x = jnp.ones((mb * 2**20 // 4,), jnp.float32)
+    f = jax.jit(lambda x: jnp.sum(x))
+    jax.block_until_ready(f(x))
+    start = time.perf_counter()
+    for _ in range(repeats):
+        jax.block_until_ready(f(x))
+    return x.nbytes * repeats / (time.perf_counter() - start)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    b, n, l = args.batch, args.new, args.prompt
+
+    torch.manual_seed(0)
+    model_dir = tempfile.mkdtemp()
+    transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**QWEN2_TINY)).save_pretrained(model_dir)
+    cfg = hf_io.config_from_hf(hf_io.read_hf_config(model_dir), dtype="float32")
+    m = model.Transformer(cfg)
+    mesh = sharding.make_mesh({"data": -1}, devices=jax.devices()[:1])
+    params = hf_io.load_params(model_dir, m, mesh)
+    tokens, mask = prompts(b, l, cfg.vocab_size)
+    print(f"model: Qwen2 {cfg.num_params() / 1e6:.2f}M params ({QWEN2_TINY}); batch {b} x {n} new "
+          f"tokens, prompts left padded to {l}; jax {jax.__version__} on {jax.devices()[0].platform}, "
+          f"torch {torch.__version__} with {torch.get_num_threads()} threads")
+
+    ours = time_ours(m, params, mesh, tokens, mask, n, args.repeats)
+    theirs = time_hf(model_dir, tokens, mask, n)
+    for name, sec in (("ours", ours), ("transformers", theirs)):
+        print(f"{name + ':':14s}{b * n / sec:9.0f} tokens/s  ({sec:.2f} s per batch, "
+              f"{1e3 * sec / n:.1f} ms/step)")
+    print(f"ratio ours / transformers: {theirs / ours:.2f}x")
+
+    # What bounds a decode step of B rows over S = L + N - 1 cache slots.
+    d, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
+    s = l + n - 1
+    dense = cfg.num_params() - cfg.vocab_size * d  # the embedding table is gathered, not multiplied
+    flops_token = 2 * dense + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * s  # QK^T and PV over S
+    weight_bytes = 4 * dense
+    kv_bytes = 4 * 2 * cfg.num_layers * b * s * kv
+    peak_flops, bandwidth = matmul_flops_per_s(), bytes_per_s()
+    step = ours / n
+    achieved = flops_token * b / step
+    print(f"compute: {flops_token / 1e6:.1f} MFLOP/token -> {achieved / 1e9:.1f} GFLOP/s achieved vs "
+          f"{peak_flops / 1e9:.1f} GFLOP/s measured f32 matmul peak ({achieved / peak_flops:.0%})")
+    mem_step = (weight_bytes + kv_bytes) / bandwidth
+    print(f"memory: {weight_bytes / 2**20:.1f} MiB weights + {kv_bytes / 2**20:.1f} MiB KV cache "
+          f"per step -> {1e3 * mem_step:.2f} ms at {bandwidth / 2**30:.1f} GiB/s measured "
+          f"({mem_step / step:.0%} of the {1e3 * step:.1f} ms step)")
+    small = time_ours(m, params, mesh, tokens[:8], mask[:8], n, args.repeats) / n
+    print(f"per-step floor (batch 8): {1e3 * small:.2f} ms = {small / step:.0%} of the batch-{b} step")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""The sampler: cached decode == teacher forcing, greedy == transformers, logp == the trainer's,
+no recompilation within buckets, reproducible per-row keys, sharded == single device."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from jax.sharding import PartitionSpec as P
+
+from dapo_jax import hf_io, model, sampler, sharding
+
+VOCAB = 96
+
+
+def _load(model_dir, mesh):
+    m = model.Transformer(hf_io.config_from_hf(hf_io.read_hf_config(model_dir), dtype="float32"))
+    return m, hf_io.load_params(model_dir, m, mesh)
+
+
+@pytest.fixture(scope="module")
+def single():
+    return sharding.make_mesh({"data": -1}, devices=jax.devices()[:1])
+
+
+@pytest.fixture(scope="module")
+def qwen2(qwen2_dir, single):
+    return _load(qwen2_dir, single)
+
+
+def _prompts(lengths, width, seed=0):
+    """Random left-padded prompts `tokens_PxL, mask_PxL` (pad id 0) of the given real lengths."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1, VOCAB, size=(len(lengths), width)).astype(np.int32)
+    mask = np.arange(width)[None] >= width - np.asarray(lengths)[:, None]
+    tokens[~mask] = 0
+    return tokens, mask
+
+
+def _config(**kw):
+    return sampler.SamplingConfig(**{"max_new_tokens": 10, "eos_ids": (), "pad_id": 0,
+                                     "prompt_buckets": (8, 16), **kw})
+
+
+@pytest.mark.parametrize("fixture", ["qwen2_dir", "llama_dir"])
+def test_cached_decode_equals_teacher_forced_forward(fixture, request, single):
+    m, params = _load(request.getfixturevalue(fixture), single)
+    prompt, mask = _prompts([8, 5, 2], 8)
+    follow = np.random.default_rng(1).integers(1, VOCAB, size=(3, 6)).astype(np.int32)
+    full_tokens = np.concatenate([prompt, follow], 1)
+    full_mask = np.concatenate([mask, np.ones_like(follow, bool)], 1)
+    ref_BxTxV = np.asarray(model.forward(m, params, full_tokens, full_mask))
+
+    s = 8 + 6 + 3  # a cache longer than needed: the unused slots must stay unread
+    caches = jax.jit(lambda p, t, k: sampler.prefill(m, p, t, k, s))(params, prompt[:, :-1],
+                                                                     mask[:, :-1])
+    step = jax.jit(lambda p, *args: sampler.decode_step(m, p, *args))
+    readable_BxS = np.concatenate([mask, np.ones((3, s - 8), bool)], 1)
+    feed_BxT = full_tokens[:, 7:]
+    for t in range(feed_BxT.shape[1]):
+        attn_BxS = readable_BxS & (np.arange(s) <= 7 + t)
+        logits_BxV, caches = step(params, feed_BxT[:, t], mask.sum(1) - 1 + t, attn_BxS, caches, 7 + t)
+        np.testing.assert_allclose(np.asarray(logits_BxV), ref_BxTxV[:, 7 + t], atol=1e-4, rtol=1e-4)
+
+
+def _hf_greedy(model_dir, prompt, mask, new_tokens, eos_id):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    out = hf.generate(input_ids=torch.tensor(prompt, dtype=torch.long),
+                      attention_mask=torch.tensor(mask, dtype=torch.long),
+                      max_new_tokens=new_tokens, do_sample=False, eos_token_id=eos_id, pad_token_id=0)
+    completion = out[:, prompt.shape[1]:].numpy()
+    return np.pad(completion, ((0, 0), (0, new_tokens - completion.shape[1])))  # HF stops when all end
+
+
+def test_greedy_equals_transformers_generate(qwen2_dir, qwen2, single):
+    m, params = qwen2
+    prompt, mask = _prompts([16, 11, 4, 9], 16, seed=3)
+    n_new = 12
+    free = sampler.Sampler(m, _config(max_new_tokens=n_new, greedy=True), single)
+    ours = np.asarray(free.generate(params, prompt, mask, 1, jax.random.key(0))["tokens"])
+    np.testing.assert_array_equal(ours, _hf_greedy(qwen2_dir, prompt, mask, n_new, None))
+    assert len(np.unique(ours)) > 8  # a meaningful comparison, not one token repeated
+
+    # Stop on an id that row 2 first emits at step 3: both stop that row there and pad after it.
+    eos = int(ours[2, 3])
+    assert eos not in ours[2, :3]
+    stopping = sampler.Sampler(m, _config(max_new_tokens=n_new, greedy=True, eos_ids=(eos,)), single)
+    out = stopping.generate(params, prompt, mask, 1, jax.random.key(0))
+    tokens = np.asarray(out["tokens"])
+    np.testing.assert_array_equal(tokens, _hf_greedy(qwen2_dir, prompt, mask, n_new, eos))
+    assert tokens[2, 4:].tolist() == [0] * (n_new - 4)
+    assert int(out["length"][2]) == 4 and not bool(out["truncated"][2])
+
+
+def test_logp_equals_trainer_recompute_with_truncation(qwen2, single):
+    m, params = qwen2
+    cfg = _config(max_new_tokens=16, temperature=0.7, top_p=0.8, top_k=12, eos_ids=(3, 5, 7, 11))
+    prompt, mask = _prompts([8, 3], 8, seed=5)
+    out = jax.device_get(sampler.Sampler(m, cfg, single).generate(params, prompt, mask, 4,
+                                                                  jax.random.key(7)))
+    tokens, logp, comp_mask, length = out["tokens"], out["logp"], out["mask"], out["length"]
+    ended = ~out["truncated"]
+    assert ended.any() and not ended.all()  # both outcomes are exercised
+
+    # The trainer's recomputation: one teacher-forced forward over prompt + completion.
+    full_tokens = np.concatenate([np.repeat(prompt, 4, 0), tokens], 1)
+    full_mask = np.concatenate([np.repeat(mask, 4, 0), comp_mask], 1)
+    logits_BxNxV = np.asarray(model.forward(m, params, full_tokens, full_mask))[:, 7:-1]
+    ref_logp_BxNxV = np.asarray(jax.nn.log_softmax(logits_BxNxV / cfg.temperature))
+    ref = np.take_along_axis(ref_logp_BxNxV, tokens[..., None], -1)[..., 0]
+    np.testing.assert_allclose(logp[comp_mask], ref[comp_mask], atol=1e-5)
+    assert np.all(logp[~comp_mask] == 0) and np.all(tokens[~comp_mask] == 0)
+
+    # Truncation: every draw lies in the top k and in the top-p nucleus of the renormalised top k.
+    ref_BxN = ref_logp_BxNxV[comp_mask]
+    drawn = ref[comp_mask]
+    assert np.all((ref_BxN > drawn[:, None]).sum(-1) < cfg.top_k)
+    top_k_logp = np.sort(ref_BxN, -1)[:, -cfg.top_k:]
+    top_k_probs = np.exp(top_k_logp) / np.exp(top_k_logp).sum(-1, keepdims=True)
+    mass_above = np.where(top_k_logp > drawn[:, None], top_k_probs, 0).sum(-1)
+    assert np.all(mass_above < cfg.top_p)
+    # Ends: a row ends at its first end id, kept in its length; truncated rows never met one.
+    is_eos = np.isin(tokens, cfg.eos_ids) & comp_mask
+    assert np.all(is_eos.sum(1) == ended)
+    assert np.all(is_eos[ended, length[ended] - 1])
+    assert np.all(length[~ended] == cfg.max_new_tokens)
+
+
+def test_no_recompilation_within_buckets(qwen2, single):
+    m, params = qwen2
+    s = sampler.Sampler(m, _config(max_new_tokens=4), single)
+    key = jax.random.key(0)
+    for lengths, width in [([8, 2], 8), ([16, 9], 16)]:  # warm up both buckets
+        s.generate(params, *_prompts(lengths, width), 2, key)
+    assert s.num_traces == 2
+    for lengths, width in [([5, 3], 5), ([7, 1], 12), ([12, 15], 15), ([10, 9], 20), ([1, 1], 1)]:
+        out = s.generate(params, *_prompts(lengths, width), 2, key)
+        assert out["tokens"].shape == (4, 4)
+    assert s.num_traces == 2
+    with pytest.raises(ValueError, match="exceeds the largest bucket"):
+        s.generate(params, *_prompts([17, 3], 17), 2, key)
+    with pytest.raises(ValueError, match="left padded"):
+        s.generate(params, *(x[:, ::-1] for x in _prompts([5, 3], 8)), 2, key)
+
+
+def test_reproducible_and_independent_of_batch_composition(qwen2, single):
+    m, params = qwen2
+    s = sampler.Sampler(m, _config(max_new_tokens=12), single)
+    (a, b, c), mask = _prompts([7, 7, 7], 8, seed=2)
+    tokens = lambda prompts, uids, key: np.asarray(s.generate(
+        params, np.stack(prompts), mask[[0, 0]], 3, key, uids_P=uids)["tokens"])
+    key = jax.random.key(11)
+    ab = tokens([a, b], [0, 1], key)
+    np.testing.assert_array_equal(ab, tokens([a, b], [0, 1], key))
+    ca = tokens([c, a], [5, 0], key)  # prompt a moves to the second place beside another prompt
+    np.testing.assert_array_equal(ca[3:], ab[:3])
+    assert not np.array_equal(ab[0], ab[1])  # the G samples of a group differ
+    assert not np.array_equal(tokens([a, b], [0, 1], jax.random.key(12))[:3], ab[:3])
+
+
+def test_sharded_equals_single_device(qwen2_dir, qwen2, single):
+    m, params = qwen2
+    cfg = _config(max_new_tokens=8, greedy=True, temperature=0.9)
+    prompt, mask = _prompts([8, 3, 6, 5], 8, seed=4)
+    ref = sampler.Sampler(m, cfg, single).generate(params, prompt, mask, 2, jax.random.key(0))
+
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    _, sharded_params = _load(qwen2_dir, mesh)
+    out = sampler.Sampler(m, cfg, mesh).generate(sharded_params, prompt, mask, 2, jax.random.key(0))
+    assert out["tokens"].sharding.spec == P(("data", "fsdp"), None)
+    np.testing.assert_array_equal(np.asarray(out["tokens"]), np.asarray(ref["tokens"]))
+    np.testing.assert_allclose(np.asarray(out["logp"]), np.asarray(ref["logp"]), atol=1e-5)
+    with pytest.raises(ValueError, match="do not divide"):
+        sampler.Sampler(m, cfg, mesh).generate(sharded_params, prompt[:3], mask[:3], 1, jax.random.key(0))
