@@ -1,0 +1,188 @@
+"""DAPO's objective as pure maths: group-relative advantages, the clipped policy loss, aggregation.
+
+Symbols (DAPO_SPEC sections 1-3): G responses per prompt, A_i the advantage of response o_i,
+r_{i,t} = pi_theta(o_{i,t}) / pi_old(o_{i,t}) the per-token importance ratio, m_{i,t} the mask of
+the tokens that carry loss, ε_low / ε_high the clip range (Clip-Higher), c the dual-clip constant,
+β the KL coefficient. Per-token arrays are `_BxT`, per-response arrays `_B`.
+
+Every loss and metric is a sum over tokens divided by a denominator of the WHOLE optimizer
+mini-batch (`Denominators`). `policy_loss_sum` takes those denominators from its caller, so the
+values it returns for the micro-batches of a mini-batch (and for its data-parallel shards) add up to
+`policy_loss` of the mini-batch: gradient accumulation gives the gradient of one big batch. (verl's
+older actor normalised each micro-batch by its own token count, verl #5625; we do not.)
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+_LOG_RATIO_LIMIT = 20.0  # |log r| is clamped here (as verl) so that exp(log r) cannot overflow
+
+
+def group_advantages(rewards_B, group_size: int, normalize_std: bool = True) -> jax.Array:
+    """A_i = (R_i - mean(R_group)) / (std(R_group) + 1e-6), the std unbiased (N - 1).
+
+    Rows of a group are contiguous: `rewards_B` is P groups of `group_size`. A group of one has
+    mean 0 and std 1. `normalize_std=False` gives Dr.GRPO's A_i = R_i - mean(R_group).
+    """
+    r_B = jnp.asarray(rewards_B, jnp.float32)
+    if r_B.ndim != 1 or r_B.shape[0] % group_size:
+        raise ValueError(f"rewards of shape {r_B.shape} are not groups of {group_size}")
+    r_PxG = r_B.reshape(-1, group_size)
+    if group_size == 1:
+        mean_Px1, std_Px1 = jnp.zeros_like(r_PxG), jnp.ones_like(r_PxG)
+    else:
+        mean_Px1 = r_PxG.mean(axis=1, keepdims=True)
+        std_Px1 = r_PxG.std(axis=1, ddof=1, keepdims=True)
+    adv_PxG = r_PxG - mean_Px1
+    if normalize_std:
+        adv_PxG = adv_PxG / (std_Px1 + 1e-6)
+    return adv_PxG.reshape(-1)
+
+
+def token_logp_and_entropy(logits_BxTxV, targets_BxT, temperature: float):
+    """`(logp_BxT, entropy_BxT)` of p = softmax(logits / temperature), in float32.
+
+    logp_{b,t} = log p_{b,t}(targets_{b,t});  H_{b,t} = -sum_v p_{b,t,v} log p_{b,t,v} (exact).
+    The chosen token is picked by a compare-and-sum over V, which stays local under a vocab-sharded
+    mesh (a gather along a sharded axis would not).
+    """
+    logp_BxTxV = jax.nn.log_softmax(logits_BxTxV.astype(jnp.float32) / temperature, axis=-1)
+    vocab_V = jnp.arange(logits_BxTxV.shape[-1], dtype=targets_BxT.dtype)
+    chosen_BxTxV = vocab_V == targets_BxT[..., None]
+    logp_BxT = jnp.sum(jnp.where(chosen_BxTxV, logp_BxTxV, 0.0), axis=-1)
+    entropy_BxT = -jnp.sum(jnp.exp(logp_BxTxV) * logp_BxTxV, axis=-1)
+    return logp_BxT, entropy_BxT
+
+
+def k3_kl(logp_BxT, ref_logp_BxT) -> jax.Array:
+    """k3 estimator of KL(pi_theta || pi_ref) per token: exp(ref - logp) - (ref - logp) - 1 >= 0."""
+    d_BxT = ref_logp_BxT - logp_BxT
+    return jnp.exp(d_BxT) - d_BxT - 1.0
+
+
+class Denominators(NamedTuple):
+    """Denominators of one whole optimizer mini-batch (all micro-batches, all shards)."""
+
+    loss: jax.Array  # token-mean: sum m; seq-mean-token-mean: n_seqs; sum-norm: n_seqs * L_const
+    tokens: jax.Array  # sum m, the denominator of every token-mean metric
+
+
+def _check_agg_mode(agg_mode: str) -> None:
+    if agg_mode not in AGG_MODES:
+        raise ValueError(f"unknown agg_mode {agg_mode!r}; valid modes are {AGG_MODES}")
+
+
+def denominators(mask_BxT, agg_mode: str, norm_const: float | None = None) -> Denominators:
+    """The denominators of `agg_mode` for the mini-batch whose loss mask is `mask_BxT`.
+
+    n_seqs counts the rows with at least one loss token, so rows masked out entirely (overlong
+    filtering, groups the dynamic-sampling filter left empty) weigh nothing. `norm_const` (L_const)
+    is used by 'seq-mean-token-sum-norm' only. An empty mini-batch gets denominators of 1 (loss 0).
+    """
+    _check_agg_mode(agg_mode)
+    m_BxT = jnp.asarray(mask_BxT, jnp.float32)
+    tokens = jnp.sum(m_BxT)
+    n_seqs = jnp.sum(jnp.sum(m_BxT, axis=-1) > 0).astype(jnp.float32)
+    if agg_mode == "token-mean":
+        loss = tokens
+    elif agg_mode == "seq-mean-token-mean":
+        loss = n_seqs
+    elif norm_const is None or norm_const <= 0:
+        raise ValueError("agg_mode 'seq-mean-token-sum-norm' needs norm_const = L_const > 0 "
+                         f"(the maximum response length), got {norm_const}")
+    else:
+        loss = n_seqs * norm_const
+    return Denominators(jnp.maximum(loss, 1.0), jnp.maximum(tokens, 1.0))
+
+
+def policy_loss_sum(logp_BxT, old_logp_BxT, adv_B, mask_BxT, denom: Denominators, *,
+                    eps_low: float, eps_high: float, clip_ratio_c: float | None, agg_mode: str,
+                    ref_logp_BxT=None, beta: float, entropy_BxT=None, entropy_coef: float):
+    """These rows' share of the mini-batch loss: sums over their tokens / the mini-batch's `denom`.
+
+    Per token, with r = exp(logp - old_logp) (log r clamped to ±20):
+        L1 = -A_i r_{i,t};  L2 = -A_i clip(r_{i,t}, 1 - ε_low, 1 + ε_high);  Lc = max(L1, L2)
+        l_pg = min(Lc, -A_i c) where A_i < 0 and c is set (dual clip), else Lc
+        l = l_pg + β KL_k3(pi_theta || pi_ref) - entropy_coef H
+    Aggregated with weights w_{i,t} = m_{i,t} (token-mean, seq-mean-token-sum-norm) or
+    m_{i,t} / sum_t m_{i,t} (seq-mean-token-mean):  loss = sum_{i,t} w l / denom.loss.
+
+    Zero-gradient tokens: upper clip (A > 0, r > 1 + ε_high), lower clip (A < 0, r < 1 - ε_low),
+    dual clip (A < 0, r > c). Returns `(loss, metrics)`, metrics a dict of scalars: pg_loss
+    (aggregated like the loss), and token-means over the mask (/ denom.tokens): the three clip
+    fractions, approx_kl_old (k3 of KL(pi_old || pi_theta): r - 1 - log r), token_prob (exp(logp)),
+    kl_ref when `ref_logp_BxT` is given, entropy when `entropy_BxT` is given.
+    """
+    _check_agg_mode(agg_mode)
+    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
+        raise ValueError(f"dual-clip constant c must be > 1, got {clip_ratio_c}")
+    if beta and ref_logp_BxT is None:
+        raise ValueError(f"beta = {beta} needs ref_logp_BxT")
+    if entropy_coef and entropy_BxT is None:
+        raise ValueError(f"entropy_coef = {entropy_coef} needs entropy_BxT")
+    on_BxT = jnp.asarray(mask_BxT, bool)
+    m_BxT = on_BxT.astype(jnp.float32)
+    a_Bx1 = jnp.asarray(adv_B, jnp.float32)[:, None]
+    # Masked entries are replaced, not multiplied by 0, so junk (even NaN) there cannot leak.
+    log_ratio_BxT = jnp.clip(jnp.where(on_BxT, logp_BxT - old_logp_BxT, 0.0),
+                             -_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
+    ratio_BxT = jnp.exp(log_ratio_BxT)
+
+    l1_BxT = -a_Bx1 * ratio_BxT
+    l2_BxT = -a_Bx1 * jnp.clip(ratio_BxT, 1.0 - eps_low, 1.0 + eps_high)
+    pg_BxT = jnp.maximum(l1_BxT, l2_BxT)
+    dual_BxT = jnp.zeros_like(pg_BxT, bool)
+    if clip_ratio_c is not None:
+        pg_BxT = jnp.where(a_Bx1 < 0, jnp.minimum(pg_BxT, -a_Bx1 * clip_ratio_c), pg_BxT)
+        dual_BxT = (a_Bx1 < 0) & (ratio_BxT > clip_ratio_c)
+
+    w_BxT = m_BxT
+    if agg_mode == "seq-mean-token-mean":
+        w_BxT = m_BxT / jnp.maximum(jnp.sum(m_BxT, axis=-1, keepdims=True), 1.0)
+    agg = lambda x_BxT: jnp.sum(jnp.where(on_BxT, w_BxT * x_BxT, 0.0)) / denom.loss
+    token_mean = lambda x_BxT: jnp.sum(jnp.where(on_BxT, x_BxT, 0.0)) / denom.tokens
+
+    loss_BxT = pg_BxT
+    metrics = {
+        "pg_loss": agg(pg_BxT),
+        "pg_clipfrac_upper": token_mean((a_Bx1 > 0) & (ratio_BxT > 1.0 + eps_high)),
+        "pg_clipfrac_lower": token_mean((a_Bx1 < 0) & (ratio_BxT < 1.0 - eps_low)),
+        "pg_clipfrac_dual": token_mean(dual_BxT),
+        "approx_kl_old": token_mean(ratio_BxT - 1.0 - log_ratio_BxT),
+        "token_prob": token_mean(jnp.exp(logp_BxT)),
+    }
+    if ref_logp_BxT is not None:
+        kl_BxT = k3_kl(jnp.where(on_BxT, logp_BxT, 0.0), jnp.where(on_BxT, ref_logp_BxT, 0.0))
+        metrics["kl_ref"] = token_mean(kl_BxT)
+        if beta:
+            loss_BxT = loss_BxT + beta * kl_BxT
+    if entropy_BxT is not None:
+        metrics["entropy"] = token_mean(entropy_BxT)
+        if entropy_coef:
+            loss_BxT = loss_BxT - entropy_coef * jnp.where(on_BxT, entropy_BxT, 0.0)
+    loss = agg(loss_BxT)
+    metrics["loss"] = loss
+    return loss, metrics
+
+
+def policy_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, *, eps_low: float = 0.2,
+                eps_high: float = 0.28, clip_ratio_c: float | None = None,
+                agg_mode: str = "token-mean", norm_const: float | None = None,
+                ref_logp_BxT=None, beta: float = 0.0, entropy_BxT=None,
+                entropy_coef: float = 0.0):
+    """The loss of one whole mini-batch: `policy_loss_sum` over its own `denominators`.
+
+    `agg_mode` (section 3):  token-mean: sum_{i,t} l m / sum_{i,t} m;
+    seq-mean-token-mean: mean_i (sum_t l m / sum_t m);  seq-mean-token-sum-norm:
+    sum_{i,t} l m / (n_seqs L_const) with L_const = `norm_const`. Returns `(loss, metrics)`.
+    """
+    denom = denominators(mask_BxT, agg_mode, norm_const)
+    return policy_loss_sum(logp_BxT, old_logp_BxT, adv_B, mask_BxT, denom, eps_low=eps_low,
+                           eps_high=eps_high, clip_ratio_c=clip_ratio_c, agg_mode=agg_mode,
+                           ref_logp_BxT=ref_logp_BxT, beta=beta, entropy_BxT=entropy_BxT,
+                           entropy_coef=entropy_coef)

@@ -1,0 +1,274 @@
+"""The compiled DAPO update: train state, AdamW, and one jitted, donated, sharded step.
+
+One optimizer update on a mini-batch of B rows (tokens = prompt + response, padded):
+    logits_BxTxV = forward(θ, tokens_BxT);  log pi_θ(o_{i,t}) from logits at t - 1 / temperature
+    denom = objective.denominators(loss mask of the WHOLE mini-batch)       (once, before the scan)
+    g = sum over micro-batches (lax.scan) of grad_θ policy_loss_sum(micro-batch, denom)
+      = grad_θ policy_loss(mini-batch), whatever the number of micro-batches
+    θ, opt_state = AdamW(clip_by_global_norm(g)); both kept unchanged if loss or |g| is not finite
+Per-token arrays are aligned with tokens_BxT: entry t is about token t (its log-prob is predicted by
+the logits at t - 1); entry 0 has no predecessor, is 0 and must be outside the loss mask.
+A rollout batch is split into k mini-batches, one update each (`train_on_rollout`); pi_old and
+pi_ref log-probs are computed once before the first update by `compute_logprobs`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from dapo_jax import model as model_lib
+from dapo_jax import objective, sharding
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """The policy loss's knobs (static under jit); every field set by the config."""
+
+    eps_low: float  # ε_low (DAPO 0.2)
+    eps_high: float  # ε_high, Clip-Higher (DAPO 0.28)
+    clip_ratio_c: float | None  # c, dual clip for A < 0 (DAPO scripts 10.0; None = off)
+    agg_mode: str  # one of objective.AGG_MODES (DAPO "token-mean")
+    norm_const: float | None  # L_const of "seq-mean-token-sum-norm"
+    beta: float  # β, k3 KL to the reference (DAPO 0: no KL, no reference forward)
+    entropy_coef: float  # entropy bonus coefficient (DAPO 0)
+    temperature: float  # the rollout temperature; log-probs come from logits / temperature
+
+
+class TrainState(NamedTuple):
+    step: jax.Array  # int32, optimizer updates applied (skipped steps not counted)
+    params: Any
+    opt_state: optax.OptState
+
+
+class Rollout(NamedTuple):
+    """A rollout batch, B = P x G rows, rows of a group contiguous."""
+
+    tokens_BxT: jax.Array  # int32 prompt + response
+    mask_BxT: jax.Array  # bool, real tokens (attention, positions)
+    loss_mask_BxT: jax.Array  # bool, response tokens that carry loss: m_{i,t}
+    adv_B: jax.Array  # A_i
+
+
+class Batch(NamedTuple):
+    """One optimizer mini-batch: a slice of a `Rollout` plus the log-probs of pi_old and pi_ref."""
+
+    tokens_BxT: jax.Array
+    mask_BxT: jax.Array
+    loss_mask_BxT: jax.Array
+    adv_B: jax.Array
+    old_logp_BxT: jax.Array  # log pi_old(o_{i,t})
+    ref_logp_BxT: jax.Array | None  # log pi_ref(o_{i,t}); None exactly when β = 0
+
+
+def learning_rate_schedule(peak: float, warmup_steps: int, kind: str,
+                           total_steps: int | None = None, final_ratio: float = 0.0):
+    """lr(s) for update s = 0, 1, ...: linear warm-up peak * (s + 1) / warmup_steps (so update 0
+    already learns), then constant (DAPO) or cosine down to final_ratio * peak at total_steps."""
+    if kind not in ("constant", "cosine"):
+        raise ValueError(f"unknown schedule {kind!r}; use 'constant' or 'cosine'")
+    if kind == "cosine" and (total_steps is None or total_steps <= warmup_steps):
+        raise ValueError(f"cosine needs total_steps > warmup_steps = {warmup_steps}, "
+                         f"got {total_steps}")
+
+    def schedule(step):
+        lr = peak * jnp.minimum(1.0, (step + 1.0) / max(warmup_steps, 1))
+        if kind == "cosine":
+            done = jnp.clip((step - warmup_steps) / (total_steps - warmup_steps), 0.0, 1.0)
+            lr = lr * (final_ratio + (1.0 - final_ratio) * 0.5 * (1.0 + jnp.cos(math.pi * done)))
+        return lr
+
+    return schedule
+
+
+def make_optimizer(schedule, *, weight_decay: float, max_grad_norm: float, b1: float = 0.9,
+                   b2: float = 0.999, eps: float = 1e-8) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW (decoupled decay on every parameter, as verl's AdamW)."""
+    return optax.chain(
+        optax.clip_by_global_norm(max_grad_norm),
+        optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
+
+
+def state_shardings(model, optimizer, mesh) -> TrainState:
+    """Shardings of the train state: optimizer moments like their params, counters replicated."""
+    param_sh = sharding.param_shardings(model, mesh)
+    abstract_opt = jax.eval_shape(optimizer.init, sharding.abstract_params(model))
+    opt_sh = optax.tree_map_params(optimizer, lambda _, sh: sh, abstract_opt, param_sh,
+                                   transform_non_params=lambda _: sharding.replicated(mesh))
+    return TrainState(sharding.replicated(mesh), param_sh, opt_sh)
+
+
+def init_train_state(model, optimizer, mesh, params) -> TrainState:
+    """A train state at step 0 around `params` (laid out as `sharding.param_shardings`)."""
+    shardings = state_shardings(model, optimizer, mesh)
+    init = lambda p: TrainState(jnp.zeros((), jnp.int32), p, optimizer.init(p))
+    with sharding.activate(mesh):
+        return jax.jit(init, in_shardings=(shardings.params,), out_shardings=shardings)(params)
+
+
+def batch_shardings(mesh, with_ref: bool) -> Batch:
+    rows = lambda ndim: sharding.batch_sharding(mesh, ndim)
+    return Batch(rows(2), rows(2), rows(2), rows(1), rows(2), rows(2) if with_ref else None)
+
+
+def _split_micro(x, n: int):
+    """[B, ...] -> [n, B / n, ...]; micro-batch k holds rows k, k + n, ..., so that each one is
+    spread evenly over the data-parallel shards of the batch axis."""
+    if x.shape[0] % n:
+        raise ValueError(f"batch of {x.shape[0]} rows does not split into {n} micro-batches")
+    x = x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1)
+    return nn.with_logical_constraint(x, (None, "batch") + (None,) * (x.ndim - 2))
+
+
+def _merge_micro(x):
+    """Inverse of `_split_micro`."""
+    return x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
+
+
+def shifted_logp_and_entropy(logits_BxTxV, tokens_BxT, temperature: float):
+    """`(logp_BxT, entropy_BxT)` aligned with tokens: entry t is log pi(token_t | tokens_<t) and the
+    entropy of that prediction, both from the logits at t - 1; entry 0 is 0."""
+    next_BxT = jnp.roll(tokens_BxT, -1, axis=1)
+    logp_BxT, entropy_BxT = objective.token_logp_and_entropy(logits_BxTxV, next_BxT, temperature)
+    shift = lambda x_BxT: jnp.pad(x_BxT[:, :-1], ((0, 0), (1, 0)))
+    return shift(logp_BxT), shift(entropy_BxT)
+
+
+def compute_logprobs(model, params, tokens_BxT, mask_BxT, temperature: float,
+                     num_micro_batches: int):
+    """log pi_params(token_t | tokens_<t) aligned with tokens (entry 0 and padding: don't care),
+    one forward per micro-batch (`lax.map`) to bound the memory of the logits."""
+    def one(micro):
+        tokens_bxT, mask_bxT = micro
+        logits_bxTxV = model_lib.forward(model, params, tokens_bxT, mask_bxT)
+        return shifted_logp_and_entropy(logits_bxTxV, tokens_bxT, temperature)[0]
+
+    split = functools.partial(_split_micro, n=num_micro_batches)
+    return _merge_micro(jax.lax.map(one, (split(tokens_BxT), split(mask_BxT))))
+
+
+def make_compute_logprobs(model, mesh, temperature: float, num_micro_batches: int):
+    """`compute_logprobs` jitted on `mesh`: `fn(params, tokens_BxT, mask_BxT) -> logp_BxT`."""
+    fn = functools.partial(compute_logprobs, model, temperature=temperature,
+                           num_micro_batches=num_micro_batches)
+    rows = sharding.batch_sharding(mesh, 2)
+    jitted = jax.jit(fn, in_shardings=(sharding.param_shardings(model, mesh), rows, rows),
+                     out_shardings=rows)
+    return _on_mesh(jitted, mesh)
+
+
+def loss_and_grads(model, loss_cfg: LossConfig, params, batch: Batch, num_micro_batches: int):
+    """`(grads, metrics)` of the mini-batch's policy loss, accumulated over micro-batches.
+
+    Denominators come from the whole mini-batch's loss mask, so every micro-batch's loss, gradient
+    and metrics are its additive share and the scan sums them: 1, 2 or 4 micro-batches give the same
+    gradient as one pass.
+    """
+    c = loss_cfg
+    denom = objective.denominators(batch.loss_mask_BxT, c.agg_mode, c.norm_const)
+
+    def micro_loss(p, micro: Batch):
+        logits_bxTxV = model_lib.forward(model, p, micro.tokens_BxT, micro.mask_BxT)
+        logp_bxT, entropy_bxT = shifted_logp_and_entropy(logits_bxTxV, micro.tokens_BxT,
+                                                         c.temperature)
+        return objective.policy_loss_sum(
+            logp_bxT, micro.old_logp_BxT, micro.adv_B, micro.loss_mask_BxT, denom,
+            eps_low=c.eps_low, eps_high=c.eps_high, clip_ratio_c=c.clip_ratio_c,
+            agg_mode=c.agg_mode, ref_logp_BxT=micro.ref_logp_BxT, beta=c.beta,
+            entropy_BxT=entropy_bxT, entropy_coef=c.entropy_coef)
+
+    def body(grads, micro):
+        (_, metrics), g = jax.value_and_grad(micro_loss, has_aux=True)(params, micro)
+        return jax.tree.map(jnp.add, grads, g), metrics
+
+    micros = jax.tree.map(functools.partial(_split_micro, n=num_micro_batches), batch)
+    grads, metrics_N = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), micros)
+    metrics = {k: jnp.sum(v) for k, v in metrics_N.items()}
+    metrics["loss_tokens"] = denom.tokens
+    return grads, metrics
+
+
+def _train_step(model, optimizer, schedule, loss_cfg, num_micro_batches, state: TrainState,
+                batch: Batch):
+    grads, metrics = loss_and_grads(model, loss_cfg, state.params, batch, num_micro_batches)
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    new_state = TrainState(state.step + finite.astype(jnp.int32), keep(params, state.params),
+                           keep(opt_state, state.opt_state))
+    metrics.update(grad_norm=grad_norm,
+                   update_norm=jnp.where(finite, optax.tree.norm(updates), 0.0),
+                   learning_rate=schedule(state.step),
+                   skipped=1.0 - finite.astype(jnp.float32))
+    return new_state, metrics
+
+
+def make_train_step(model, optimizer, schedule, loss_cfg: LossConfig, mesh,
+                    num_micro_batches: int):
+    """`train_step(state, batch) -> (state, metrics)`: one jit on `mesh`, the state donated.
+
+    metrics (replicated scalars): loss, pg_loss, pg_clipfrac_upper / _lower / _dual, approx_kl_old,
+    kl_ref (β > 0), entropy, token_prob, loss_tokens, grad_norm (before clipping), update_norm,
+    learning_rate (of this update), skipped (1.0 when the loss or the gradient was not finite: the
+    params and optimizer state are then returned unchanged and `state.step` does not advance).
+    """
+    state_sh = state_shardings(model, optimizer, mesh)
+    step = functools.partial(_train_step, model, optimizer, schedule, loss_cfg, num_micro_batches)
+    jitted = jax.jit(step, in_shardings=(state_sh, batch_shardings(mesh, loss_cfg.beta > 0)),
+                     out_shardings=(state_sh, sharding.replicated(mesh)), donate_argnums=0)
+    return _on_mesh(jitted, mesh)
+
+
+def _on_mesh(jitted, mesh):
+    """`jitted` traced and run under `sharding.activate(mesh)` (logical constraints apply)."""
+    def call(*args):
+        with sharding.activate(mesh):
+            return jitted(*args)
+
+    def lower(*args):
+        with sharding.activate(mesh):
+            return jitted.lower(*args)
+
+    call.lower = lower
+    return call
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _mini_batches(batch: Batch, k: int) -> tuple[Batch, ...]:
+    """k contiguous slices of `batch`, each laid out over the batch axis of the current mesh."""
+    rows = batch.tokens_BxT.shape[0]
+    if rows % k:
+        raise ValueError(f"rollout of {rows} rows does not split into {k} mini-batches")
+    size = rows // k
+    take = lambda i, x: nn.with_logical_constraint(x[i * size:(i + 1) * size],
+                                                   ("batch",) + (None,) * (x.ndim - 1))
+    return tuple(jax.tree.map(functools.partial(take, i), batch) for i in range(k))
+
+
+def train_on_rollout(train_step, logprobs_fn, mesh, state: TrainState, rollout: Rollout,
+                     num_mini_batches: int, ref_params=None):
+    """k = `num_mini_batches` updates on contiguous slices of `rollout` (groups stay whole).
+
+    log pi_old is computed once with the current params before the first update (so the first
+    update sees r = 1), log pi_ref with `ref_params` only when they are given (exactly when β > 0).
+    Returns `(state, [metrics of each update])`, metrics left on the device.
+    """
+    old_logp_BxT = logprobs_fn(state.params, rollout.tokens_BxT, rollout.mask_BxT)
+    ref_logp_BxT = (None if ref_params is None
+                    else logprobs_fn(ref_params, rollout.tokens_BxT, rollout.mask_BxT))
+    with sharding.activate(mesh):
+        minis = _mini_batches(Batch(*rollout, old_logp_BxT, ref_logp_BxT), num_mini_batches)
+    metrics = []
+    for mini in minis:
+        state, m = train_step(state, mini)
+        metrics.append(m)
+    return state, metrics
