@@ -13,7 +13,7 @@ $(VENV)/.installed: setup.py
 	touch $@
 
 demo: venv
-	$(PY) experiments/forward_tiny.py
+	$(PY) -m dapo_jax.train --config=configs/dapo.py:tiny --workdir=runs/demo
 
 test: venv
 	$(PY) -m pytest -q tests

@@ -6,7 +6,7 @@ One checkpoint per saved step holds two items:
 - `host`: everything else a resumed run needs to continue exactly where the saved one would have
   gone: the PRNG key, the data iterator's position, the dynamic-sampling filter's carried groups
   (numpy arrays), counters. A nested dict of numpy arrays and scalars, nothing pickled. Orbax
-  cannot write zero-size arrays (an empty carry), so those travel as shape and dtype in `meta`.
+  cannot write zero-size arrays or empty dicts (an empty carry), so those travel in `meta`.
 
 Saves are asynchronous (the next step runs while the files are written); only complete
 checkpoints are listed, so a run killed mid-save resumes from the previous one.
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 
-import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import traverse_util
@@ -40,13 +39,16 @@ class Checkpointer:
 
     def save(self, step: int, state, host: dict) -> None:
         """Start saving; returns before the files are written unless the manager is synchronous."""
-        flat = {"/".join(k): np.asarray(v) for k, v in traverse_util.flatten_dict(host).items()}
+        flat = traverse_util.flatten_dict(host, keep_empty_nodes=True)
+        empty_dicts = ["/".join(k) for k, v in flat.items() if v is traverse_util.empty_node]
+        flat = {"/".join(k): np.asarray(v) for k, v in flat.items()
+                if v is not traverse_util.empty_node}
         arrays = {k: v for k, v in flat.items() if v.size}
         arrays["saved_step"] = np.asarray(step)  # also keeps the item non-empty, as orbax requires
         empty = {k: [list(v.shape), v.dtype.str] for k, v in flat.items() if not v.size}
         self._manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), host=ocp.args.PyTreeSave(arrays),
-            meta=ocp.args.JsonSave({"empty": empty})), force=True)
+            meta=ocp.args.JsonSave({"empty": empty, "empty_dicts": empty_dicts})), force=True)
 
     def restore(self, step: int, abstract_state) -> tuple[object, dict]:
         """(state with the shardings of `abstract_state`, host dict of numpy arrays)."""
@@ -58,6 +60,8 @@ class Checkpointer:
             raise ValueError(f"{self.directory}: checkpoint {step} holds the host state of another step")
         for k, (shape, dtype) in restored["meta"]["empty"].items():
             flat[k] = np.zeros(shape, np.dtype(dtype))
+        for k in restored["meta"]["empty_dicts"]:
+            flat[k] = traverse_util.empty_node
         host = traverse_util.unflatten_dict({tuple(k.split("/")): v for k, v in flat.items()})
         return restored["state"], host
 

@@ -15,10 +15,11 @@ import tensorboardX
 
 JSONL = "metrics.jsonl"
 
-# The console line: (metric key, label, format), spec section 10's headline figures.
+# The console line: (metric key, label, format), spec section 10's headline figures. Accuracy
+# and score are the policy's, over every sampled response (before the dynamic-sampling filter).
 CONSOLE = (
-    ("data/acc_mean", "acc", ".3f"),
-    ("data/score_mean", "score", "+.3f"),
+    ("before_filter/acc_mean", "acc", ".3f"),
+    ("before_filter/score_mean", "score", "+.3f"),
     ("data/response_length_mean", "len", ".1f"),
     ("actor/entropy", "ent", ".3f"),
     ("actor/token_prob_mean", "p", ".3f"),

@@ -18,12 +18,24 @@ import matplotlib.pyplot as plt  # noqa: E402
 from dapo_jax.metrics import JSONL, read_jsonl  # noqa: E402
 
 PANELS = (
-    ("acc", ("data/acc_mean", "data/score_mean"), "train accuracy / reward"),
+    ("acc", ("before_filter/acc_mean", "before_filter/score_mean"), "train accuracy / score"),
     ("entropy", ("actor/entropy",), "entropy (nats/token)"),
     ("length", ("data/response_length_mean",), "mean response length (tokens)"),
     ("token_prob", ("actor/token_prob_mean",), "mean token probability"),
-    ("eval", ("eval/avg@k", "eval/pass@k"), "held-out accuracy"),
+    ("eval", ("eval/avg@",), "held-out accuracy (avg@k)"),
 )
+
+
+def _series(records: list[dict], prefix: str) -> dict[str, list]:
+    """{key: [(step, value)]} of the numeric keys equal to `prefix`, or starting with it when it
+    ends in "@" (eval/avg@4, eval/avg@32, ...)."""
+    out = {}
+    for r in records:
+        for key, value in r.items():
+            match = key == prefix or (prefix.endswith("@") and key.startswith(prefix))
+            if match and isinstance(value, (int, float)):
+                out.setdefault(key, []).append((r["step"], value))
+    return out
 
 
 def plot_runs(workdirs: list[str], out_dir: str) -> list[str]:
@@ -41,11 +53,9 @@ def plot_runs(workdirs: list[str], out_dir: str) -> list[str]:
         fig, ax = plt.subplots(figsize=(5, 3.6))
         for axis in (ax, ax_all):
             for run, records in runs.items():
-                for key in keys:
-                    pts = [(r["step"], r[key]) for r in records
-                           if isinstance(r.get(key), (int, float))]
-                    if pts:
-                        axis.plot(*zip(*pts), label=f"{run} {key.split('/')[-1]}")
+                for prefix in keys:
+                    for key, pts in _series(records, prefix).items():
+                        axis.plot(*zip(*pts), label=f"{run} {key.split('/')[-1]}", marker=".")
             axis.set_title(title)
             axis.set_xlabel("step")
             if axis.lines:

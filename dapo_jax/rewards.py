@@ -157,14 +157,22 @@ def overlong_filter_mask(truncated_B, enabled: bool = True) -> np.ndarray:
 
 def _worker_loop(conn, reward_fn):
     """Worker process: says it is ready, then for each list of (response, ground truth) sent to
-    it sends one result per item as soon as it has it, until it receives None."""
+    it sends one result per item as soon as it has it, until it receives None or its parent is
+    gone."""
     conn.send(("ready", None))
-    while (chunk := conn.recv()) is not None:
+    while (chunk := _receive_or_none(conn)) is not None:
         for response, ground_truth in chunk:
             try:
                 conn.send(("ok", reward_fn(response, ground_truth)))
             except Exception as e:  # pylint: disable=broad-except
                 conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+def _receive_or_none(conn):
+    try:
+        return conn.recv()
+    except EOFError:  # the parent closed its end or exited
+        return None
 
 
 class _Worker:

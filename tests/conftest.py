@@ -42,3 +42,28 @@ def qwen2_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory):
     return build_hf_model("llama", str(tmp_path_factory.mktemp("llama")))
+
+
+# A tiny DAPO config shrunk to test size; shapes divide the 8 fake devices.
+SMALL = {
+    "train.steps": 1, "train.train_batch_prompts": 4, "train.mini_batch_prompts": 2,
+    "train.micro_batch_size": 8, "train.length_bucket": 16, "rollout.group_size": 4,
+    "rollout.max_new_tokens": 40, "reward.overlong_buffer": 8, "reward.num_workers": 1,
+    "filter.gen_batch_prompts": 8, "filter.max_num_gen_batches": 2, "eval.max_problems": 8,
+    "eval.samples": 2, "eval.batch_prompts": 8, "eval.at_start": False, "eval.every": 0,
+    "checkpoint.every": 1,
+}
+
+
+def small(config, **overrides):
+    """`config` with SMALL and then `overrides` ({"section__field": value}) applied."""
+    for key, value in {**SMALL, **{k.replace("__", "."): v for k, v in overrides.items()}}.items():
+        section, field = key.split(".")
+        config[section][field] = value
+    return config
+
+
+def small_flags(**overrides) -> list[str]:
+    """SMALL and `overrides` as `--config.section.field=value` command-line flags."""
+    merged = {**SMALL, **{k.replace("__", "."): v for k, v in overrides.items()}}
+    return [f"--config.{k}={v}" for k, v in merged.items()]

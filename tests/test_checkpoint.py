@@ -17,7 +17,8 @@ def test_round_trip_keeps_values_shardings_and_host_state(tmp_path):
     mesh = sharding.make_mesh({"fsdp": -1})
     ckpt = checkpoint.Checkpointer(str(tmp_path), keep=2)
     host = {"rng": np.array([7, 9], np.uint32), "data": {"epoch": 2, "position": 13},
-            "carry": {"tokens": np.zeros((0, 4), np.int32), "acc": np.array([True, False])}}
+            "carry": {"tokens": np.zeros((0, 4), np.int32), "acc": np.array([True, False])},
+            "filter": {"carry": {}}}
     for step in (1, 2, 3):
         ckpt.save(step, _state(mesh, step), host)
     ckpt.wait()
@@ -34,6 +35,7 @@ def test_round_trip_keeps_values_shardings_and_host_state(tmp_path):
     assert int(restored["data"]["position"]) == 13
     assert restored["carry"]["tokens"].shape == (0, 4) and restored["carry"]["tokens"].dtype == np.int32
     np.testing.assert_array_equal(restored["carry"]["acc"], [True, False])
+    assert restored["filter"] == {"carry": {}}
 
 
 def test_a_new_manager_sees_the_saved_steps(tmp_path):

@@ -2,7 +2,6 @@
 no recompilation within buckets, reproducible per-row keys, sharded == single device."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch

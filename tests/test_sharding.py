@@ -1,7 +1,6 @@
 """The mesh, the logical-axis rules, and sharded == unsharded on eight fake devices."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P

@@ -1,0 +1,106 @@
+"""DAPO (arXiv 2503.14476): one config, a variant per scale.
+
+    python -m dapo_jax.train --config=configs/dapo.py:tiny --workdir=runs/tiny
+    python -m dapo_jax.train --config=configs/dapo.py:qwen2_5_32b --workdir=gs://bucket/dapo32b \
+        --config.model.path=/ckpt/Qwen2.5-32B --config.data.train_files=/data/dapo-math-17k.parquet
+
+Variants: `tiny` (this CPU: the shipped 0.8M-parameter base model on the synthetic arithmetic task,
+a few minutes), `qwen2_5_7b` and `qwen2_5_32b` (the paper's settings, spec section 8, sized for
+TPU v5p slices). Every key is set here; the trainer has no hidden defaults.
+"""
+
+import ml_collections
+
+from configs import common
+
+
+def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
+    if arg not in VARIANTS:
+        raise ValueError(f"unknown variant {arg!r} of configs/dapo.py; choose from {sorted(VARIANTS)}")
+    return VARIANTS[arg]()
+
+
+def qwen2_5_32b() -> ml_collections.ConfigDict:
+    """The official 32B run (spec section 8): 512 prompts x G=16, 16 updates per step."""
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.model = dict(path="/ckpt/Qwen2.5-32B", tokenizer_path="", dtype="bfloat16",
+                   param_dtype="float32", remat=True)
+    c.reference = dict(path="")  # β = 0: no reference model is loaded or run
+    c.mesh = dict(data=1, fsdp=-1, tensor=8)  # e.g. v5p-512: 256 chips = fsdp 32 x tensor 8
+    c.data = dict(
+        train_files=("/data/dapo-math-17k.parquet",),
+        eval_files=("/data/aime-2024.parquet",),
+        prompt_template=common.DAPO_TEMPLATE,
+        use_chat_template=True,
+        dedup=True,                      # DAPO-Math-17k repeats each prompt ~100 times
+        max_prompt_len=2048,             # truncated from the left
+        prompt_buckets=(512, 1024, 2048),
+    )
+    c.rollout = dict(
+        group_size=16,                   # G responses per prompt
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        max_new_tokens=20480,            # L_max
+    )
+    c.reward = common.dapo_reward(overlong_buffer=4096)
+    c.filter = common.dynamic_sampling(gen_batch_prompts=1536, max_num_gen_batches=10)
+    c.loss = common.dapo_loss()
+    c.optim = dict(lr=1e-6, warmup_steps=10, schedule="constant", weight_decay=0.1,
+                   grad_clip=1.0, b1=0.9, b2=0.999)
+    c.train = dict(
+        steps=500,
+        train_batch_prompts=512,         # B groups per step (after dynamic sampling)
+        mini_batch_prompts=32,           # 32 x 16 = 512 responses: 16 updates per step
+        micro_batch_size=32,             # responses per gradient-accumulation micro-batch
+        length_bucket=2048,              # train on responses cut to a multiple of this length
+        max_consecutive_nonfinite=5,     # stop (with a checkpoint) after this many skipped updates
+    )
+    c.checkpoint = dict(every=10, keep=3, asynchronous=True)
+    c.eval = dict(every=20, samples=32, temperature=1.0, top_p=0.7, max_problems=0,
+                  batch_prompts=32, at_start=True)
+    c.export = dict(dtype="bfloat16")
+    return c
+
+
+def qwen2_5_7b() -> ml_collections.ConfigDict:
+    """The 32B recipe on Qwen2.5-7B: same algorithm, a smaller slice (v5p-64: 32 chips)."""
+    c = qwen2_5_32b()
+    c.model.path = "/ckpt/Qwen2.5-7B"
+    c.mesh = dict(data=1, fsdp=-1, tensor=4)
+    c.train.micro_batch_size = 64
+    return c
+
+
+def tiny() -> ml_collections.ConfigDict:
+    """CPU scale: the shipped tiny base model on the shipped synthetic task, a few minutes."""
+    c = qwen2_5_32b()
+    c.model = dict(path=common.TINY_MODEL, tokenizer_path="", dtype="float32",
+                   param_dtype="float32", remat=False)
+    c.mesh = dict(data=-1, fsdp=1, tensor=1)
+    c.data = dict(
+        train_files=(common.SYNTHETIC_TRAIN,),
+        eval_files=(common.SYNTHETIC_TEST,),
+        prompt_template="{problem}",     # the tiny model was fine-tuned on bare problems
+        use_chat_template=True,
+        dedup=True,
+        max_prompt_len=48,
+        prompt_buckets=(48,),
+    )
+    c.rollout.group_size = 8
+    c.rollout.max_new_tokens = 96       # worked solutions take up to ~75 tokens
+    c.reward = common.dapo_reward(overlong_buffer=16)
+    c.filter = common.dynamic_sampling(gen_batch_prompts=64, max_num_gen_batches=4)
+    c.optim = dict(lr=1e-4, warmup_steps=3, schedule="constant", weight_decay=0.1,
+                   grad_clip=1.0, b1=0.9, b2=0.999)
+    c.train = dict(steps=20, train_batch_prompts=32, mini_batch_prompts=16,
+                   micro_batch_size=128, length_bucket=16, max_consecutive_nonfinite=5)
+    c.checkpoint = dict(every=5, keep=3, asynchronous=True)
+    c.eval = dict(every=10, samples=4, temperature=1.0, top_p=0.7, max_problems=0,
+                  batch_prompts=125, at_start=True)
+    c.export = dict(dtype="float32")
+    return c
+
+
+VARIANTS = {"tiny": tiny, "qwen2_5_7b": qwen2_5_7b, "qwen2_5_32b": qwen2_5_32b}

@@ -1,0 +1,102 @@
+"""From prompts to scored groups: sample G responses per prompt, decode, score, shape the reward.
+
+`generation_batch` is what the dynamic-sampling filter calls for one generation batch; `evaluate`
+runs the same path on held-out problems and reports avg@k / pass@k / maj@k. Only token ids, their
+log-probs, lengths and truncation flags come back from the device; text lives on the host.
+
+Shaped reward (spec section 4): R_i = score_i + overlong_penalty(|o_i|), with |o_i| counting the
+EOS token; acc_i (the filter's signal) is the bare correctness.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import tqdm
+from jax.experimental import multihost_utils
+
+from dapo_jax import data, evaluation, rewards
+from dapo_jax.sampler import Sampler
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardShaping:
+    """The overlong rules; lengths in tokens (L_max = the sampler's max_new_tokens)."""
+
+    max_len: int                # L_max
+    buffer_len: int             # L_buf
+    factor: float               # penalty at L = L_max
+    penalty: bool               # soft overlong punishment on
+    filter: bool                # overlong filtering: truncated responses carry no loss
+
+
+def to_host(x) -> np.ndarray:
+    """A (possibly multi-host sharded) device array as one numpy array on every process."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
+
+def sample_and_score(sampler: Sampler, params, examples: list[dict], group_size: int, rng,
+                     tokenizer, scorer: rewards.RewardScorer, prompt_len: int) -> dict:
+    """G responses to each of the P examples, scored: numpy arrays of B = P x G rows.
+
+    Keys: prompt_tokens / prompt_mask (BxL, left padded to `prompt_len`), tokens / mask / logp
+    (BxN, the completion), length, truncated, score, acc, problem_id, and `pred` (a list).
+    """
+    ids = [ex["prompt_ids"] for ex in examples]
+    prompt_PxL, pmask_PxL = data.pad_prompts(ids, sampler.config.prompt_buckets, sampler.config.pad_id)
+    out = sampler.generate(params, prompt_PxL, pmask_PxL, group_size, rng)
+    out = {k: to_host(v) for k, v in out.items()}
+    texts = tokenizer.batch_decode([row[:n] for row, n in zip(out["tokens"], out["length"])],
+                                   skip_special_tokens=True)
+    truths = [ex["ground_truth"] for ex in examples for _ in range(group_size)]
+    results, _ = scorer.score_batch(texts, truths)
+    full_PxL, full_mask_PxL = data.pad_prompts(ids, (prompt_len,), sampler.config.pad_id)
+    repeat = lambda x: np.repeat(x, group_size, axis=0)
+    return {
+        "prompt_tokens": repeat(full_PxL), "prompt_mask": repeat(full_mask_PxL),
+        "tokens": out["tokens"], "mask": out["mask"], "logp": out["logp"],
+        "length": out["length"].astype(np.int32), "truncated": out["truncated"].astype(bool),
+        "score": np.asarray([r["score"] for r in results], np.float32),
+        "acc": np.asarray([r["acc"] for r in results], bool),
+        "problem_id": repeat(np.asarray([ex["problem_id"] for ex in examples], np.int32)),
+        "pred": [r["pred"] for r in results],
+    }
+
+
+def generation_batch(sampler, params, examples, group_size, rng, tokenizer, scorer, prompt_len,
+                     shaping: RewardShaping) -> dict:
+    """One generation batch for the dynamic-sampling filter: `sample_and_score` plus the shaped
+    reward R_i and the per-response loss keep flag (False for truncated responses under overlong
+    filtering). Every value is a numpy array with a leading dim of B = P x G."""
+    batch = sample_and_score(sampler, params, examples, group_size, rng, tokenizer, scorer,
+                             prompt_len)
+    del batch["pred"]
+    penalty = rewards.overlong_penalties(batch["length"], shaping.max_len, shaping.buffer_len,
+                                         shaping.factor, enabled=shaping.penalty)
+    batch["reward"] = (batch["score"] + penalty).astype(np.float32)
+    batch["loss_keep"] = rewards.overlong_filter_mask(batch["truncated"], enabled=shaping.filter)
+    return batch
+
+
+def evaluate(sampler, params, examples, samples: int, rng, tokenizer, scorer, prompt_len,
+             batch_prompts: int) -> dict:
+    """avg@k, pass@k and maj@k over `samples` responses per held-out problem, plus mean length."""
+    records, lengths = [], []
+    chunks = [examples[i:i + batch_prompts] for i in range(0, len(examples), batch_prompts)]
+    for i, chunk in enumerate(tqdm.tqdm(chunks, desc="eval", leave=False, disable=None)):
+        if len(chunk) < batch_prompts:  # keep one compiled shape: pad with repeats, drop after
+            chunk = chunk + [chunk[-1]] * (batch_prompts - len(chunk))
+        n_real = len(examples[i * batch_prompts:(i + 1) * batch_prompts]) * samples
+        out = sample_and_score(sampler, params, chunk, samples, jax.random.fold_in(rng, i),
+                               tokenizer, scorer, prompt_len)
+        records += [{"problem_id": int(p), "pred": pred, "acc": bool(a)} for p, pred, a in
+                    zip(out["problem_id"][:n_real], out["pred"][:n_real], out["acc"][:n_real])]
+        lengths.append(out["length"][:n_real])
+    result = evaluation.evaluate(records, ks=[samples])
+    metrics = {f"eval/{k}": v for k, v in result.items() if "@" in k}
+    metrics["eval/response_length_mean"] = float(np.concatenate(lengths).mean())
+    return metrics

@@ -1,0 +1,176 @@
+"""One run's pieces: the config's checks, then the mesh, model, tokenizer, data, samplers,
+compiled steps, reward workers and dynamic-sampling filter that `train.py` drives.
+
+Every knob comes from the config (configs/*.py); nothing here has a default of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from absl import logging
+
+from dapo_jax import (data, dynamic_sampling, hf_io, model, objective, rewards, rollout, sharding,
+                      train_step)
+from dapo_jax.sampler import Sampler, SamplingConfig
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; raised before anything is compiled."""
+
+
+def check_config(c: ml_collections.ConfigDict) -> None:
+    """One-line errors for missing paths and inconsistent sizes, before any compilation."""
+    def need_file(path, what):
+        if not os.path.exists(path):
+            raise ConfigError(f"{what} {path!r} does not exist")
+
+    need_file(os.path.join(c.model.path, "config.json"), "base model (config.model.path): file")
+    if c.loss.beta > 0:
+        if not c.reference.path:
+            raise ConfigError("loss.beta > 0 needs a reference model: set config.reference.path")
+        need_file(os.path.join(c.reference.path, "config.json"), "reference model: file")
+    need_file(c.model.tokenizer_path or c.model.path, "tokenizer directory")
+    for f in list(c.data.train_files) + list(c.data.eval_files):
+        need_file(f, "data file")
+    if not c.data.train_files:
+        raise ConfigError("config.data.train_files is empty")
+    if c.data.max_prompt_len > max(c.data.prompt_buckets):
+        raise ConfigError(f"data.max_prompt_len {c.data.max_prompt_len} exceeds the largest "
+                          f"prompt bucket {max(c.data.prompt_buckets)}")
+    if c.loss.agg_mode not in objective.AGG_MODES:
+        raise ConfigError(f"loss.agg_mode {c.loss.agg_mode!r} is not one of {objective.AGG_MODES}")
+    if c.reward.fn not in rewards.REWARD_FNS:
+        raise ConfigError(f"reward.fn {c.reward.fn!r} is not one of {sorted(rewards.REWARD_FNS)}")
+    if c.filter.on_exhausted not in ("mask", "raise"):
+        raise ConfigError(f"filter.on_exhausted must be 'mask' or 'raise', got {c.filter.on_exhausted!r}")
+    t, g = c.train, c.rollout.group_size
+    if t.train_batch_prompts % t.mini_batch_prompts:
+        raise ConfigError(f"train.train_batch_prompts {t.train_batch_prompts} is not a multiple "
+                          f"of train.mini_batch_prompts {t.mini_batch_prompts}")
+    if (t.mini_batch_prompts * g) % t.micro_batch_size:
+        raise ConfigError(f"a mini-batch of {t.mini_batch_prompts} x G={g} responses does not "
+                          f"split into micro-batches of train.micro_batch_size {t.micro_batch_size}")
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything one run holds, built once by `build`. `state` and `step` are the policy the
+    dynamic-sampling filter samples from: the loop sets them before it asks for a batch."""
+
+    config: ml_collections.ConfigDict
+    workdir: str
+    mesh: jax.sharding.Mesh
+    hf_config: dict
+    tokenizer: object
+    model: model.Transformer
+    optimizer: object
+    train_step: object        # (state, mini-batch) -> (state, metrics), jitted and donated
+    logprobs_fn: object       # (params, tokens, mask) -> log pi(token_t | tokens_<t)
+    sampler: Sampler
+    eval_sampler: Sampler
+    scorer: rewards.RewardScorer
+    shaping: rollout.RewardShaping
+    train_prompts: data.PromptIterator
+    eval_examples: list
+    filter: dynamic_sampling.DynamicSampler | None = None
+    ref_params: object = None
+    state: train_step.TrainState | None = None
+    step: int = 0
+    gen_batches: int = 0
+
+    def generation_batch(self) -> dict:
+        """One generation batch for the filter, keyed by (seed, step, generation batch index) so
+        that a resumed run draws exactly what the uninterrupted one did."""
+        c = self.config
+        rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(c.seed), self.step),
+                                 self.gen_batches)
+        self.gen_batches += 1
+        examples = self.train_prompts.next_batch(c.filter.gen_batch_prompts)
+        return rollout.generation_batch(self.sampler, self.state.params, examples,
+                                        c.rollout.group_size, rng, self.tokenizer, self.scorer,
+                                        c.data.max_prompt_len, self.shaping)
+
+    def abstract_state(self) -> train_step.TrainState:
+        """The train state as ShapeDtypeStructs with their shardings: a checkpoint's restore target."""
+        abstract = jax.eval_shape(
+            lambda p: train_step.TrainState(jnp.zeros((), jnp.int32), p, self.optimizer.init(p)),
+            sharding.abstract_params(self.model))
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                            abstract, train_step.state_shardings(self.model, self.optimizer,
+                                                                 self.mesh))
+
+
+def _load_prompts(files, tokenizer, c, dedup):
+    examples = []
+    for f in files:
+        loaded = data.load_prompts(f, tokenizer, c.data.max_prompt_len,
+                                   template=c.data.prompt_template,
+                                   use_chat_template=c.data.use_chat_template, dedup=dedup)
+        logging.info("%s: %d prompts (%d malformed, %d duplicates, %d truncated)", f,
+                     len(loaded.examples), loaded.n_malformed, loaded.n_duplicates,
+                     loaded.n_truncated)
+        examples += loaded.examples
+    return examples
+
+
+def _ids(x) -> tuple[int, ...]:
+    return () if x is None else tuple(x) if isinstance(x, (list, tuple)) else (x,)
+
+
+def build(c: ml_collections.ConfigDict, workdir: str) -> Run:
+    """The mesh, model, tokenizer, data, samplers, compiled steps, reward workers and filter."""
+    mesh = sharding.make_mesh(c.mesh)
+    hf_config = hf_io.read_hf_config(c.model.path)
+    mcfg = hf_io.config_from_hf(hf_config, dtype=c.model.dtype, param_dtype=c.model.param_dtype,
+                                remat=c.model.remat, source=os.path.join(c.model.path, "config.json"))
+    m = model.Transformer(mcfg)
+    tokenizer = hf_io.load_tokenizer(c.model.tokenizer_path or c.model.path)
+    eos = tuple(sorted({tokenizer.eos_token_id, *_ids(hf_config.get("eos_token_id"))}))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    sampling = dict(max_new_tokens=c.rollout.max_new_tokens, eos_ids=eos, pad_id=pad,
+                    prompt_buckets=tuple(c.data.prompt_buckets), top_k=c.rollout.top_k)
+    sampler = Sampler(m, SamplingConfig(temperature=c.rollout.temperature, top_p=c.rollout.top_p,
+                                        **sampling), mesh)
+    eval_sampler = Sampler(m, SamplingConfig(temperature=c.eval.temperature, top_p=c.eval.top_p,
+                                             **sampling), mesh)
+    updates_per_step = c.train.train_batch_prompts // c.train.mini_batch_prompts
+    schedule = train_step.learning_rate_schedule(c.optim.lr, c.optim.warmup_steps,
+                                                 c.optim.schedule, c.train.steps * updates_per_step)
+    optimizer = train_step.make_optimizer(schedule, weight_decay=c.optim.weight_decay,
+                                          max_grad_norm=c.optim.grad_clip, b1=c.optim.b1,
+                                          b2=c.optim.b2)
+    loss_cfg = train_step.LossConfig(
+        eps_low=c.loss.eps_low, eps_high=c.loss.eps_high,
+        clip_ratio_c=c.loss.clip_ratio_c or None, agg_mode=c.loss.agg_mode,
+        norm_const=c.loss.norm_const or c.rollout.max_new_tokens, beta=c.loss.beta,
+        entropy_coef=c.loss.entropy_coef, temperature=c.rollout.temperature)
+    g = c.rollout.group_size
+    step_fn = train_step.make_train_step(
+        m, optimizer, schedule, loss_cfg, mesh, c.train.mini_batch_prompts * g // c.train.micro_batch_size)
+    logprobs_fn = train_step.make_compute_logprobs(
+        m, mesh, c.rollout.temperature, c.train.train_batch_prompts * g // c.train.micro_batch_size)
+    shaping = rollout.RewardShaping(
+        max_len=c.rollout.max_new_tokens, buffer_len=c.reward.overlong_buffer,
+        factor=c.reward.overlong_factor, penalty=c.reward.overlong_penalty,
+        filter=c.reward.overlong_filter)
+    eval_examples = _load_prompts(c.data.eval_files, tokenizer, c, dedup=True)
+    if c.eval.max_problems:
+        eval_examples = eval_examples[:c.eval.max_problems]
+    train_prompts = data.PromptIterator(_load_prompts(c.data.train_files, tokenizer, c,
+                                                      c.data.dedup), c.seed)
+    scorer = rewards.RewardScorer(rewards.get_reward_fn(c.reward.fn), c.reward.timeout_s,
+                                  c.reward.num_workers)
+    run = Run(c, workdir, mesh, hf_config, tokenizer, m, optimizer, step_fn, logprobs_fn, sampler,
+              eval_sampler, scorer, shaping, train_prompts, eval_examples)
+    run.filter = dynamic_sampling.DynamicSampler(
+        run.generation_batch, c.train.train_batch_prompts, g, c.filter.max_num_gen_batches,
+        filter_groups=c.filter.enable, carry_over=c.filter.carry_over,
+        on_exhausted=c.filter.on_exhausted)
+    if c.loss.beta > 0:
+        run.ref_params = hf_io.load_params(c.reference.path, m, mesh)
+    return run

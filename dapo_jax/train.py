@@ -1,0 +1,292 @@
+"""The DAPO training run: `python -m dapo_jax.train --config=configs/dapo.py:tiny --workdir=DIR`.
+
+One step (spec sections 1-5):
+  1. dynamic sampling: generation batches of `gen_batch_prompts` prompts x G responses (sampler on
+     the policy's own sharded params), decoded, scored, overlong-shaped, until `train_batch_prompts`
+     groups with mixed correctness are kept (or the bound is hit: missing groups are masked);
+  2. A_i = group-relative advantages of the shaped rewards R_i;
+  3. log pi_old (and log pi_ref when β > 0) once, then `train_batch / mini_batch` AdamW updates;
+  4. metrics (console, JSONL, TensorBoard), a checkpoint and an evaluation on their schedules.
+
+A run resumes by itself from the latest complete checkpoint in its workdir, and a resumed run
+continues exactly as the uninterrupted one would have: the step's PRNG key is derived from the seed
+and the step, and the data order and the filter's carried groups are in the checkpoint. SIGTERM
+(TPU preemption) finishes the step, saves and exits. A non-finite loss or gradient skips the update;
+`max_consecutive_nonfinite` of them in a row stop the run with a checkpoint of the last good state.
+Run it from the repository root (the config files import `configs.common`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+
+import jax
+import ml_collections
+import numpy as np
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from dapo_jax import checkpoint, hf_io, metrics, objective, plot, rollout, sharding, train_step
+from dapo_jax.run import ConfigError, Run, build, check_config
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "configs/FILE.py:VARIANT",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "run directory: checkpoints, metrics, export")
+_MULTIHOST = flags.DEFINE_bool("multihost", False, "call jax.distributed.initialize() first")
+
+
+def _rollout_arrays(batch: dict, group_size: int, normalize_std: bool, length_bucket: int) -> dict:
+    """Host arrays of the train batch: prompt + response tokens, masks and advantages A_i.
+
+    Response columns past the longest response are cut, rounded up to a multiple of
+    `length_bucket`: the trainer then compiles at most N / length_bucket shapes and does not
+    spend its FLOPs on padding when responses are short."""
+    valid_B = batch["valid"]
+    n = batch["tokens"].shape[1]
+    width = min(n, -(-max(int(batch["length"].max()), 1) // length_bucket) * length_bucket)
+    response = {k: batch[k][:, :width] for k in ("tokens", "mask")}
+    tokens = np.concatenate([batch["prompt_tokens"], response["tokens"]], axis=1)
+    mask = np.concatenate([batch["prompt_mask"], response["mask"]], axis=1)
+    response_keep = response["mask"] & (valid_B & batch["loss_keep"])[:, None]
+    loss_mask = np.concatenate([np.zeros_like(batch["prompt_mask"]), response_keep], axis=1)
+    adv = np.asarray(objective.group_advantages(batch["reward"], group_size, normalize_std))
+    return {"tokens": tokens.astype(np.int32), "mask": mask, "loss_mask": loss_mask,
+            "adv": np.where(valid_B, adv, 0.0).astype(np.float32)}
+
+
+def _to_device(x: np.ndarray, mesh):
+    """A host array, identical on every process, as a global array sharded over the batch axes."""
+    s = sharding.batch_sharding(mesh, x.ndim)
+    return jax.make_array_from_callback(x.shape, s, lambda index: x[index])
+
+
+def _data_metrics(batch: dict) -> dict:
+    """Score, reward, accuracy, length and truncation of the rows trained on (after the filter)."""
+    v = batch["valid"]
+    if not v.any():
+        return {}
+    length = batch["length"][v]
+    return {"data/score_mean": float(batch["score"][v].mean()),
+            "data/reward_mean": float(batch["reward"][v].mean()),
+            "data/acc_mean": float(batch["acc"][v].mean()),
+            "data/response_length_mean": float(length.mean()),
+            "data/response_length_max": float(length.max()),
+            "data/response_length_min": float(length.min()),
+            "data/truncated_fraction": float(batch["truncated"][v].mean())}
+
+
+class _Preemption:
+    """Remembers a SIGTERM so that the loop can save before it exits."""
+
+    def __init__(self):
+        self.requested = False
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        logging.warning("SIGTERM: saving a checkpoint after this step, then exiting")
+        self.requested = True
+
+
+def _evaluate(run: Run, step: int) -> dict:
+    t0 = time.time()
+    result = rollout.evaluate(run.eval_sampler, run.state.params, run.eval_examples,
+                              run.config.eval.samples,
+                              jax.random.fold_in(jax.random.key(run.config.seed + 1), step),
+                              run.tokenizer, run.scorer, run.config.data.max_prompt_len,
+                              run.config.eval.batch_prompts)
+    result["timing/eval_s"] = time.time() - t0
+    return result
+
+
+def _export(run: Run) -> str:
+    """The policy as a Hugging Face model directory (weights, config, tokenizer) in the workdir."""
+    out = os.path.join(run.workdir, "export")
+    hf_io.save_params(run.state.params, run.hf_config, out, dtype=run.config.export.dtype)
+    if jax.process_index() == 0:
+        run.tokenizer.save_pretrained(out)
+        gen = os.path.join(run.config.model.path, "generation_config.json")
+        if os.path.isfile(gen):
+            shutil.copy(gen, out)
+    return out
+
+
+def _restore_or_start(run: Run, ckpt: checkpoint.Checkpointer) -> tuple[int, int]:
+    """Sets `run.state` from the latest checkpoint (and the data order and the filter's carry),
+    or from the base model. Returns (last completed step, non-finite updates in a row)."""
+    c = run.config
+    start = ckpt.latest_step()
+    if start is None:
+        params = hf_io.load_params(c.model.path, run.model, run.mesh)
+        run.state = train_step.init_train_state(run.model, run.optimizer, run.mesh, params)
+        return 0, 0
+    run.state, host = ckpt.restore(start, run.abstract_state())
+    if int(host["seed"]) != c.seed:
+        raise ConfigError(f"{run.workdir} holds a run with seed {int(host['seed'])}, not {c.seed}")
+    run.train_prompts.restore(host["data"])
+    run.filter.restore(host["filter"])
+    print(f"resumed from {ckpt.directory} at step {start}", flush=True)
+    return start, int(host["nonfinite_run"])
+
+
+def _step(run: Run, step: int) -> dict:
+    """One DAPO step on `run.state` (updated in place); returns the step's metrics."""
+    c = run.config
+    t0 = time.time()
+    run.step, run.gen_batches = step, 0
+    batch, filter_stats = run.filter.next_batch()
+    t_rollout = time.time() - t0
+    arrays = _rollout_arrays(batch, c.rollout.group_size, c.loss.normalize_std,
+                             c.train.length_bucket)
+    rollout_batch = train_step.Rollout(*(_to_device(arrays[k], run.mesh)
+                                         for k in ("tokens", "mask", "loss_mask", "adv")))
+    t1 = time.time()
+    run.state, updates = train_step.train_on_rollout(
+        run.train_step, run.logprobs_fn, run.mesh, run.state, rollout_batch,
+        c.train.train_batch_prompts // c.train.mini_batch_prompts, run.ref_params)
+    updates = jax.device_get(updates)
+    t_train = time.time() - t1
+    out = {**_data_metrics(batch), **filter_stats,
+           **{f"actor/{k}": float(np.mean([u[k] for u in updates])) for k in updates[0]}}
+    out.update({
+        "actor/skipped_updates": int(sum(u["skipped"] for u in updates)),
+        "timing/rollout_s": t_rollout, "timing/train_s": t_train,
+        "timing/step_s": time.time() - t0,
+        "throughput/sample_tokens_per_s": float(batch["length"].sum()) / max(t_rollout, 1e-9),
+        "throughput/train_tokens_per_s": float(arrays["mask"].sum()) / max(t_train, 1e-9),
+        "reward/errors_total": run.scorer.totals["n_error"],
+        "reward/timeouts_total": run.scorer.totals["n_timeout"]})
+    return out
+
+
+def train(c: ml_collections.ConfigDict, workdir: str) -> dict:
+    """Run (or resume) the configured training in `workdir`; returns the last step's metrics
+    (with `export_dir` when this call trained)."""
+    check_config(c)
+    os.makedirs(workdir, exist_ok=True)
+    run = build(c, workdir)
+    ckpt = checkpoint.Checkpointer(workdir, keep=c.checkpoint.keep,
+                                   asynchronous=c.checkpoint.asynchronous)
+    try:
+        start, nonfinite_run = _restore_or_start(run, ckpt)
+        writer = metrics.MetricsWriter(workdir, resume_step=start or None)
+        preemption = _Preemption()
+        summary = {}
+        if start == 0 and c.eval.at_start and run.eval_examples:
+            summary = _evaluate(run, 0)
+            writer.write(0, summary)
+            print(f"step     0  held-out {_eval_text(summary)}", flush=True)
+        for step in range(start + 1, c.train.steps + 1):
+            summary = _step(run, step)
+            skipped = summary["actor/skipped_updates"]
+            nonfinite_run = nonfinite_run + skipped if skipped else 0
+            if skipped:
+                logging.warning("step %d: %d update(s) skipped: non-finite loss or gradient",
+                                step, skipped)
+            if c.eval.every and run.eval_examples and (step % c.eval.every == 0
+                                                       or step == c.train.steps):
+                summary.update(_evaluate(run, step))
+            writer.write(step, summary)
+            print(metrics.console_line(step, summary), flush=True)
+            stop = nonfinite_run >= c.train.max_consecutive_nonfinite
+            if step % c.checkpoint.every == 0 or step == c.train.steps or preemption.requested \
+                    or stop:
+                ckpt.save(step, run.state, {
+                    "seed": np.int64(c.seed), "data": run.train_prompts.state(),
+                    "filter": run.filter.state(), "nonfinite_run": np.int64(nonfinite_run)})
+            if stop:
+                raise FloatingPointError(
+                    f"step {step}: {nonfinite_run} updates in a row had a non-finite loss or "
+                    f"gradient; the last good state is checkpointed in {ckpt.directory}")
+            if preemption.requested:
+                sys.exit(0)  # `finally` waits for the checkpoint to be written
+        writer.close()
+        if c.train.steps > start:
+            summary["export_dir"] = _export(run)
+        return summary
+    finally:
+        ckpt.close()
+        run.scorer.close()
+
+
+def _eval_text(m: dict) -> str:
+    return "  ".join(f"{k.split('/')[-1]} {v:.3f}" for k, v in m.items()
+                     if k.startswith("eval/") and ("avg@" in k or k.endswith("@1")))
+
+
+def _unknown_override(config, argv) -> str | None:
+    """The first `--config.a.b=...` of argv naming no key of `config`, told with the valid keys."""
+    for arg in argv:
+        if not arg.startswith("--config."):
+            continue
+        node, path = config, ["config"]
+        for key in arg[len("--config."):].split("=")[0].split("."):
+            if not isinstance(node, ml_collections.ConfigDict) or key not in node:
+                valid = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+                return f"{arg.split('=')[0]}: {'.'.join(path)} has no key {key!r}; valid keys: {valid}"
+            node, path = node[key], path + [key]
+    return None
+
+
+def _config_without_overrides(argv) -> ml_collections.ConfigDict | None:
+    spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+    if spec is None:
+        return None
+    path, _, arg = spec.partition(":")
+    try:
+        module_spec = importlib.util.spec_from_file_location("_dapo_config", path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+        return module.get_config(arg) if arg else module.get_config()
+    except Exception:  # noqa: BLE001 - the original error is reported instead
+        return None
+
+
+def parse_flags(argv):
+    """absl flag parsing with one-line errors for a bad config file, variant or override key."""
+    try:
+        args = flags.FLAGS(argv)
+        _CONFIG.value.keys()  # config_flags loads the file and applies overrides lazily: now
+        return args
+    except Exception as e:  # noqa: BLE001 - config_flags raises whatever the config file raised
+        config = _config_without_overrides(argv)
+        message = _unknown_override(config, argv) if config is not None else None
+        print(f"error: {message or str(e).strip().splitlines()[-1].strip()}", file=sys.stderr)
+        sys.exit(2)
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    if not flags.FLAGS["verbosity"].present:  # orbax logs every save and restore at INFO
+        logging.set_verbosity(logging.WARNING)
+    if _MULTIHOST.value:
+        jax.distributed.initialize()
+    if _CONFIG.value is None or _WORKDIR.value is None:
+        raise app.UsageError("--config and --workdir are required")
+    try:
+        summary = train(_CONFIG.value, _WORKDIR.value)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if jax.process_index() == 0 and "export_dir" in summary:
+        workdir = _WORKDIR.value
+        curves = plot.plot_runs([workdir], os.path.join(workdir, "plots"))
+        evals = [r for r in metrics.read_jsonl(os.path.join(workdir, metrics.JSONL))
+                 if any(k.startswith("eval/") for k in r)]
+        if evals:
+            print(f"held-out accuracy before (step {evals[0]['step']}): {_eval_text(evals[0])}")
+            print(f"held-out accuracy after (step {evals[-1]['step']}):  {_eval_text(evals[-1])}")
+        print(f"curves: {os.path.dirname(curves[0])}\nexported model: {summary['export_dir']}")
+        with open(os.path.join(_WORKDIR.value, "summary.json"), "w") as f:
+            json.dump({k: v for k, v in summary.items() if isinstance(v, (int, float, str))}, f,
+                      indent=2)
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=parse_flags)

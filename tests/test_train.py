@@ -1,0 +1,111 @@
+"""The training run end to end: resume after SIGKILL equals an uninterrupted run, SIGTERM saves,
+bad configs fail in one line before compiling, and non-finite updates are skipped and stop the run."""
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from configs import dapo
+from conftest import small, small_flags
+from dapo_jax import checkpoint, metrics, rollout, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Metrics that measure time or count the reward workers' life, not the run's maths.
+_WALL_CLOCK = ("timing/", "throughput/", "reward/")
+
+
+def _cli(workdir, *extra):
+    return [sys.executable, "-m", "dapo_jax.train", "--config=configs/dapo.py:tiny",
+            f"--workdir={workdir}", *extra]
+
+
+def _start(workdir, *extra):
+    return subprocess.Popen(_cli(workdir, *extra), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for_step(proc, workdir, step, timeout=600):
+    path = os.path.join(workdir, metrics.JSONL)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if os.path.exists(path) and any(r["step"] >= step for r in metrics.read_jsonl(path)):
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended early:\n{proc.stdout.read()[-3000:]}")
+        time.sleep(0.2)
+    raise AssertionError(f"no step {step} within {timeout} s")
+
+
+def _maths(records):
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(_WALL_CLOCK)}
+            for r in records}
+
+
+def test_resume_after_sigkill_and_sigterm_equals_uninterrupted_run(tmp_path):
+    flags = small_flags(train__steps=4, filter__carry_over=True)
+    reference, interrupted = str(tmp_path / "reference"), str(tmp_path / "interrupted")
+
+    proc = _start(reference, *flags)
+    assert proc.wait(timeout=900) == 0, proc.stdout.read()[-3000:]
+
+    proc = _start(interrupted, *flags)
+    _wait_for_step(proc, interrupted, 2)
+    proc.send_signal(signal.SIGKILL)  # no chance to save: the run resumes from its last checkpoint
+    proc.wait()
+    proc = _start(interrupted, *flags)
+    _wait_for_step(proc, interrupted, 3)
+    proc.send_signal(signal.SIGTERM)  # preemption: finish the step, save, exit cleanly
+    assert proc.wait(timeout=300) == 0
+    saved = checkpoint.Checkpointer(interrupted).latest_step()
+    assert saved == max(r["step"] for r in metrics.read_jsonl(os.path.join(interrupted, metrics.JSONL)))
+    proc = _start(interrupted, *flags)
+    assert proc.wait(timeout=900) == 0, proc.stdout.read()[-3000:]
+
+    expected = _maths(metrics.read_jsonl(os.path.join(reference, metrics.JSONL)))
+    got = _maths(metrics.read_jsonl(os.path.join(interrupted, metrics.JSONL)))
+    assert sorted(got) == sorted(expected) == [1, 2, 3, 4]  # no step missing or repeated
+    for step in expected:
+        assert got[step].keys() == expected[step].keys()
+        for key, value in expected[step].items():
+            assert got[step][key] == pytest.approx(value, rel=1e-5, abs=1e-7), (step, key)
+
+
+@pytest.mark.parametrize("flag,message", [
+    ("--config.optim.lrr=1e-6", "config.optim has no key 'lrr'; valid keys: ['b1', 'b2',"),
+    ("--config.data.train_files=('/no/such/train.parquet',)",
+     "data file '/no/such/train.parquet' does not exist"),
+    ("--config.model.path=/no/such/model", "'/no/such/model/config.json' does not exist"),
+])
+def test_bad_config_is_one_line_before_compiling(flag, message, tmp_path):
+    out = subprocess.run(_cli(str(tmp_path / "run"), flag), cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    lines = [l for l in out.stderr.splitlines() if not l[:1] in "WI" or l.startswith("error")]
+    assert out.returncode == 2
+    assert lines == [lines[-1]] and lines[-1].startswith("error: ") and message in lines[-1]
+    assert not os.path.exists(tmp_path / "run" / "checkpoints")
+
+
+def test_nonfinite_updates_are_skipped_then_the_run_stops_with_a_checkpoint(tmp_path, monkeypatch):
+    real = rollout.generation_batch
+
+    def nan_rewards(*args, **kwargs):
+        batch = real(*args, **kwargs)
+        batch["reward"] = np.full_like(batch["reward"], np.nan)
+        return batch
+
+    monkeypatch.setattr(rollout, "generation_batch", nan_rewards)
+    config = small(dapo.get_config("tiny"), train__steps=3, train__max_consecutive_nonfinite=3,
+                   checkpoint__every=10)
+    with pytest.raises(FloatingPointError, match="step 2: 4 updates in a row"):
+        train.train(config, str(tmp_path))
+    records = metrics.read_jsonl(str(tmp_path / metrics.JSONL))
+    assert [(r["step"], r["actor/skipped_updates"], r["actor/update_norm"]) for r in records] == \
+        [(1, 2, 0.0), (2, 2, 0.0)]
+    assert all(r["actor/pg_loss"] == "nan" or math.isnan(float(r["actor/pg_loss"])) for r in records)
+    assert checkpoint.Checkpointer(str(tmp_path)).latest_step() == 2  # the last good state
