@@ -19,7 +19,6 @@ Run it from the repository root (the config files import `configs.common`).
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import shutil
 import signal
@@ -79,6 +78,17 @@ def _data_metrics(batch: dict) -> dict:
             "data/response_length_max": float(length.max()),
             "data/response_length_min": float(length.min()),
             "data/truncated_fraction": float(batch["truncated"][v].mean())}
+
+
+def _logp_agreement(batch: dict, old_logp_BxT: np.ndarray, loss_mask_BxT: np.ndarray) -> dict:
+    """|log pi_sampler - log pi_old| over the trained response tokens: the importance ratio of the
+    first update is exactly 1 only if the sampler and the trainer agree (spec section 2)."""
+    prompt_len = batch["prompt_tokens"].shape[1]
+    mask = loss_mask_BxT[:, prompt_len:]
+    if not mask.any():
+        return {}
+    diff = np.abs(batch["logp"][:, :mask.shape[1]] - old_logp_BxT[:, prompt_len:])[mask]
+    return {"rollout/logp_diff_mean": float(diff.mean()), "rollout/logp_diff_max": float(diff.max())}
 
 
 class _Preemption:
@@ -146,12 +156,15 @@ def _step(run: Run, step: int) -> dict:
     rollout_batch = train_step.Rollout(*(_to_device(arrays[k], run.mesh)
                                          for k in ("tokens", "mask", "loss_mask", "adv")))
     t1 = time.time()
+    old_logp_BxT = run.logprobs_fn(run.state.params, rollout_batch.tokens_BxT,
+                                   rollout_batch.mask_BxT)
     run.state, updates = train_step.train_on_rollout(
         run.train_step, run.logprobs_fn, run.mesh, run.state, rollout_batch,
-        c.train.train_batch_prompts // c.train.mini_batch_prompts, run.ref_params)
+        c.train.train_batch_prompts // c.train.mini_batch_prompts, run.ref_params, old_logp_BxT)
     updates = jax.device_get(updates)
     t_train = time.time() - t1
     out = {**_data_metrics(batch), **filter_stats,
+           **_logp_agreement(batch, rollout.to_host(old_logp_BxT), arrays["loss_mask"]),
            **{f"actor/{k}": float(np.mean([u[k] for u in updates])) for k in updates[0]}}
     out.update({
         "actor/skipped_updates": int(sum(u["skipped"] for u in updates)),
@@ -274,18 +287,26 @@ def main(argv):
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    if jax.process_index() == 0 and "export_dir" in summary:
-        workdir = _WORKDIR.value
-        curves = plot.plot_runs([workdir], os.path.join(workdir, "plots"))
-        evals = [r for r in metrics.read_jsonl(os.path.join(workdir, metrics.JSONL))
-                 if any(k.startswith("eval/") for k in r)]
-        if evals:
-            print(f"held-out accuracy before (step {evals[0]['step']}): {_eval_text(evals[0])}")
-            print(f"held-out accuracy after (step {evals[-1]['step']}):  {_eval_text(evals[-1])}")
-        print(f"curves: {os.path.dirname(curves[0])}\nexported model: {summary['export_dir']}")
-        with open(os.path.join(_WORKDIR.value, "summary.json"), "w") as f:
-            json.dump({k: v for k, v in summary.items() if isinstance(v, (int, float, str))}, f,
-                      indent=2)
+    if jax.process_index() == 0:
+        _report(_WORKDIR.value, summary)
+
+
+def _report(workdir: str, summary: dict) -> None:
+    """Plots the run's curves and prints held-out accuracy before and after, and where things are."""
+    path = os.path.join(workdir, metrics.JSONL)
+    if not os.path.isfile(path):
+        return
+    if not summary:
+        print(f"{workdir} has already finished its {_CONFIG.value.train.steps} steps")
+    curves = plot.plot_runs([workdir], os.path.join(workdir, "plots"))
+    evals = [r for r in metrics.read_jsonl(path) if any(k.startswith("eval/") for k in r)]
+    if evals:
+        print(f"held-out accuracy before (step {evals[0]['step']}): {_eval_text(evals[0])}")
+        print(f"held-out accuracy after (step {evals[-1]['step']}):  {_eval_text(evals[-1])}")
+    print(f"curves: {os.path.dirname(curves[0])}")
+    export = os.path.join(workdir, "export")
+    if os.path.isdir(export):
+        print(f"exported model: {export}")
 
 
 if __name__ == "__main__":

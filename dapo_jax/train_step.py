@@ -255,14 +255,16 @@ def _mini_batches(batch: Batch, k: int) -> tuple[Batch, ...]:
 
 
 def train_on_rollout(train_step, logprobs_fn, mesh, state: TrainState, rollout: Rollout,
-                     num_mini_batches: int, ref_params=None):
+                     num_mini_batches: int, ref_params=None, old_logp_BxT=None):
     """k = `num_mini_batches` updates on contiguous slices of `rollout` (groups stay whole).
 
     log pi_old is computed once with the current params before the first update (so the first
-    update sees r = 1), log pi_ref with `ref_params` only when they are given (exactly when β > 0).
+    update sees r = 1), unless the caller already did (`old_logp_BxT`); log pi_ref with
+    `ref_params` only when they are given (exactly when β > 0).
     Returns `(state, [metrics of each update])`, metrics left on the device.
     """
-    old_logp_BxT = logprobs_fn(state.params, rollout.tokens_BxT, rollout.mask_BxT)
+    if old_logp_BxT is None:
+        old_logp_BxT = logprobs_fn(state.params, rollout.tokens_BxT, rollout.mask_BxT)
     ref_logp_BxT = (None if ref_params is None
                     else logprobs_fn(ref_params, rollout.tokens_BxT, rollout.mask_BxT))
     with sharding.activate(mesh):
