@@ -92,7 +92,9 @@ def tiny() -> ml_collections.ConfigDict:
     c.rollout.max_new_tokens = 96       # worked solutions take up to ~75 tokens
     c.reward = common.dapo_reward(overlong_buffer=16)
     c.filter = common.dynamic_sampling(gen_batch_prompts=64, max_num_gen_batches=4)
-    c.optim = dict(lr=1e-4, warmup_steps=3, schedule="constant", weight_decay=0.1,
+    # lr: 3e-5 gained less and 1e-4 lost accuracy on this sharp SFT'd model (Adam's early
+    # updates move every weight by about lr, signal or noise).
+    c.optim = dict(lr=1e-5, warmup_steps=3, schedule="constant", weight_decay=0.1,
                    grad_clip=1.0, b1=0.9, b2=0.999)
     c.train = dict(steps=20, train_batch_prompts=32, mini_batch_prompts=16,
                    micro_batch_size=128, length_bucket=16, max_consecutive_nonfinite=5)

@@ -20,9 +20,9 @@ JSONL = "metrics.jsonl"
 CONSOLE = (
     ("before_filter/acc_mean", "acc", ".3f"),
     ("before_filter/score_mean", "score", "+.3f"),
-    ("data/response_length_mean", "len", ".1f"),
+    ("before_filter/length_mean", "len", ".1f"),
     ("actor/entropy", "ent", ".3f"),
-    ("actor/token_prob_mean", "p", ".3f"),
+    ("actor/token_prob", "p", ".3f"),
     ("actor/pg_clipfrac_upper", "clip+", ".3f"),
     ("filter/kept_fraction", "kept", ".2f"),
     ("timing/step_s", "s", ".1f"),
@@ -46,6 +46,8 @@ def console_line(step: int, metrics: dict) -> str:
     for key, label, fmt in CONSOLE:
         if key in metrics:
             parts.append(f"{label} {metrics[key]:{fmt}}")
+    parts += [f"held-out {key[len('eval/'):]} {value:.3f}" for key, value in metrics.items()
+              if key.startswith("eval/avg@")]
     return "  ".join(parts)
 
 

@@ -20,8 +20,8 @@ from dapo_jax.metrics import JSONL, read_jsonl  # noqa: E402
 PANELS = (
     ("acc", ("before_filter/acc_mean", "before_filter/score_mean"), "train accuracy / score"),
     ("entropy", ("actor/entropy",), "entropy (nats/token)"),
-    ("length", ("data/response_length_mean",), "mean response length (tokens)"),
-    ("token_prob", ("actor/token_prob_mean",), "mean token probability"),
+    ("length", ("before_filter/length_mean",), "mean response length (tokens)"),
+    ("token_prob", ("actor/token_prob",), "mean token probability"),
     ("eval", ("eval/avg@",), "held-out accuracy (avg@k)"),
 )
 

@@ -42,8 +42,8 @@ def test_jsonl_and_tensorboard_and_resume(tmp_path):
 
 def test_console_line_shows_headline_figures():
     line = metrics.console_line(7, {"before_filter/acc_mean": 0.4567, "actor/entropy": 1.25,
-                                    "data/acc_mean": 0.5})
-    assert line == "step     7  acc 0.457  ent 1.250"
+                                    "data/acc_mean": 0.5, "eval/avg@4": 0.8125})
+    assert line == "step     7  acc 0.457  ent 1.250  held-out avg@4 0.812"
 
 
 def test_plot_writes_one_png_per_panel_for_several_runs(tmp_path):
@@ -51,7 +51,7 @@ def test_plot_writes_one_png_per_panel_for_several_runs(tmp_path):
         w = metrics.MetricsWriter(str(tmp_path / run))
         for step in range(3):
             w.write(step, {"before_filter/acc_mean": acc + step / 10, "eval/avg@4": acc, "actor/entropy": 1.0,
-                           "data/response_length_mean": 20.0, "actor/token_prob_mean": 0.5})
+                           "before_filter/length_mean": 20.0, "actor/token_prob": 0.5})
         w.close()
     paths = plot.plot_runs([str(tmp_path / "a"), str(tmp_path / "b")], str(tmp_path / "plots"))
     assert {os.path.basename(p) for p in paths} == {
