@@ -118,6 +118,27 @@ def apply_rope(x_BxTxNxH: jax.Array, positions_BxT: jax.Array, inv_freq: jax.Arr
     return out.astype(x_BxTxNxH.dtype)
 
 
+def grouped_attention(q_BxTxKxGxH, k_BxKxSxH, v_BxKxSxH, attn_BxTxS, dtype):
+    """softmax(q k^T / sqrt(H), masked) v for G query heads per kv head; scores in float32.
+
+    A single query (T = 1, a decode step) is written as a broadcast multiply and reduce: as a
+    dot it becomes B x K tiny matrix products, which XLA:CPU ran ~2.7x slower per layer."""
+    scale = 1.0 / math.sqrt(q_BxTxKxGxH.shape[-1])
+    if q_BxTxKxGxH.shape[1] == 1:
+        q_BxKxGx1xH = q_BxTxKxGxH.transpose(0, 2, 3, 1, 4).astype(jnp.float32)
+        scores = jnp.sum(q_BxKxGx1xH * k_BxKxSxH[:, :, None].astype(jnp.float32), -1) * scale
+        scores_BxKxGx1xS = scores[:, :, :, None, :]
+    else:
+        scores_BxKxGx1xS = jnp.einsum("btkgh,bksh->bkgts", q_BxTxKxGxH, k_BxKxSxH,
+                                      preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(attn_BxTxS[:, None, None], scores_BxKxGx1xS, _NEG_INF)
+    probs_BxKxGxTxS = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    if q_BxTxKxGxH.shape[1] == 1:
+        out_BxKxGxH = jnp.sum(probs_BxKxGxTxS[:, :, :, 0, :, None] * v_BxKxSxH[:, :, None], -2)
+        return out_BxKxGxH[:, None]
+    return jnp.einsum("bkgts,bksh->btkgh", probs_BxKxGxTxS, v_BxKxSxH)
+
+
 def _dense(config, features, axes, use_bias, name):
     return nn.Dense(
         features,
@@ -173,11 +194,8 @@ class Attention(nn.Module):
         else:
             k_BxKxSxH, v_BxKxSxH = k_BxKxTxH, v_BxKxTxH
         q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, k, n // k, h)
-        scores = jnp.einsum("btkgh,bksh->bkgts", q_BxTxKxGxH, k_BxKxSxH,
-                            preferred_element_type=jnp.float32) / math.sqrt(h)
-        scores = jnp.where(attn_BxTxS[:, None, None], scores, _NEG_INF)
-        probs = jax.nn.softmax(scores, axis=-1).astype(c.compute_dtype)
-        out = jnp.einsum("bkgts,bksh->btkgh", probs, v_BxKxSxH).reshape(b, t, n * h)
+        out = grouped_attention(q_BxTxKxGxH, k_BxKxSxH, v_BxKxSxH, attn_BxTxS, c.compute_dtype)
+        out = out.reshape(b, t, n * h)
         out = nn.with_logical_constraint(out, ("batch", "length", "heads"))
         return _dense(c, c.hidden_size, ("heads", "embed"), False, "o_proj")(out), cache
 

@@ -82,6 +82,7 @@ class Run:
     state: train_step.TrainState | None = None
     step: int = 0
     gen_batches: int = 0
+    progress: object = None   # a tqdm bar over the step's generation batches, if any
 
     def generation_batch(self) -> dict:
         """One generation batch for the filter, keyed by (seed, step, generation batch index) so
@@ -91,9 +92,12 @@ class Run:
                                  self.gen_batches)
         self.gen_batches += 1
         examples = self.train_prompts.next_batch(c.filter.gen_batch_prompts)
-        return rollout.generation_batch(self.sampler, self.state.params, examples,
-                                        c.rollout.group_size, rng, self.tokenizer, self.scorer,
-                                        c.data.max_prompt_len, self.shaping)
+        batch = rollout.generation_batch(self.sampler, self.state.params, examples,
+                                         c.rollout.group_size, rng, self.tokenizer, self.scorer,
+                                         c.data.max_prompt_len, self.shaping)
+        if self.progress is not None:
+            self.progress.update()
+        return batch
 
     def abstract_state(self) -> train_step.TrainState:
         """The train state as ShapeDtypeStructs with their shardings: a checkpoint's restore target."""

@@ -28,6 +28,7 @@ import time
 import jax
 import ml_collections
 import numpy as np
+import tqdm
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -149,7 +150,9 @@ def _step(run: Run, step: int) -> dict:
     c = run.config
     t0 = time.time()
     run.step, run.gen_batches = step, 0
-    batch, filter_stats = run.filter.next_batch()
+    with tqdm.tqdm(total=c.filter.max_num_gen_batches, desc=f"rollout {step}", unit="gen batch",
+                   leave=False, disable=None) as run.progress:
+        batch, filter_stats = run.filter.next_batch()
     t_rollout = time.time() - t0
     arrays = _rollout_arrays(batch, c.rollout.group_size, c.loss.normalize_std,
                              c.train.length_bucket)

@@ -53,7 +53,7 @@ def test_ablation_rows_are_cumulative_and_end_at_dapo():
 @pytest.mark.parametrize("name,config", [
     ("dapo", lambda: dapo.get_config("tiny")),
     ("grpo", lambda: grpo.get_config("tiny")),
-])
+] + [(row, lambda row=row: ablation.get_config(f"{row},tiny")) for row in ablation.ROW_NAMES])
 def test_small_variant_runs_one_step(name, config, tmp_path):
     summary = train.train(small(config()), str(tmp_path))
     assert summary["actor/skipped_updates"] == 0

@@ -83,6 +83,21 @@ def test_round_trip_loads_in_transformers(qwen2_dir, tmp_path):
     assert not np.allclose(expected[mask], ours[mask], atol=1e-3)
     np.testing.assert_allclose(_hf_logits(out, tokens, mask)[mask], expected[mask],
                                atol=1e-4, rtol=1e-4)
+    reloaded, _ = _our_logits(out, tokens, mask)  # our loader reads the sharded index too
+    np.testing.assert_allclose(reloaded[mask], expected[mask], atol=1e-5)
+
+
+def test_remat_changes_memory_not_maths(qwen2_dir):
+    tokens, mask = _left_padded_batch(96)
+    hf = hf_io.read_hf_config(qwen2_dir)
+    mesh = sharding.make_mesh({"data": -1}, devices=jax.devices()[:1])
+    grads = []
+    for remat in (False, True):
+        m = model.Transformer(hf_io.config_from_hf(hf, dtype="float32", remat=remat))
+        params = hf_io.load_params(qwen2_dir, m, mesh)
+        loss = lambda p: jnp.sum(model.forward(m, p, tokens, mask)[mask] ** 2)
+        grads.append(jax.grad(loss)(params))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), *grads)
 
 
 def test_missing_checkpoint_file_names_it(tmp_path):
