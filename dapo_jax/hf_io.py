@@ -19,7 +19,6 @@ import jax
 import numpy as np
 import transformers
 from flax import traverse_util
-from jax.experimental import multihost_utils
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -154,7 +153,7 @@ def save_params(params, hf_config: Mapping, out_dir: str, *, dtype: str | None =
     np_dtype = np.dtype(jax.numpy.dtype(dtype)) if dtype else None
     tensors = {}
     for path, x in flat.items():
-        host = np.asarray(x if x.is_fully_addressable else multihost_utils.process_allgather(x, tiled=True))
+        host = sharding.to_host(x)
         name, transposed = hf_name(path)
         host = host.T if transposed else host
         tensors[name] = np.ascontiguousarray(host.astype(np_dtype) if np_dtype else host)

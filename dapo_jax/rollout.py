@@ -15,9 +15,8 @@ import dataclasses
 import jax
 import numpy as np
 import tqdm
-from jax.experimental import multihost_utils
 
-from dapo_jax import data, evaluation, rewards
+from dapo_jax import data, evaluation, rewards, sharding
 from dapo_jax.sampler import Sampler
 
 
@@ -32,13 +31,6 @@ class RewardShaping:
     filter: bool                # overlong filtering: truncated responses carry no loss
 
 
-def to_host(x) -> np.ndarray:
-    """A (possibly multi-host sharded) device array as one numpy array on every process."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(jax.device_get(x))
-
-
 def sample_and_score(sampler: Sampler, params, examples: list[dict], group_size: int, rng,
                      tokenizer, scorer: rewards.RewardScorer, prompt_len: int) -> dict:
     """G responses to each of the P examples, scored: numpy arrays of B = P x G rows.
@@ -46,18 +38,17 @@ def sample_and_score(sampler: Sampler, params, examples: list[dict], group_size:
     Keys: prompt_tokens / prompt_mask (BxL, left padded to `prompt_len`), tokens / mask / logp
     (BxN, the completion), length, truncated, score, acc, problem_id, and `pred` (a list).
     """
-    ids = [ex["prompt_ids"] for ex in examples]
-    prompt_PxL, pmask_PxL = data.pad_prompts(ids, sampler.config.prompt_buckets, sampler.config.pad_id)
-    out = sampler.generate(params, prompt_PxL, pmask_PxL, group_size, rng)
-    out = {k: to_host(v) for k, v in out.items()}
+    prompt_PxL, pmask_PxL = data.pad_prompts([ex["prompt_ids"] for ex in examples], (prompt_len,),
+                                             sampler.config.pad_id)
+    out = sampler.generate(params, prompt_PxL, pmask_PxL, group_size, rng)  # trims to its bucket
+    out = {k: sharding.to_host(v) for k, v in out.items()}
     texts = tokenizer.batch_decode([row[:n] for row, n in zip(out["tokens"], out["length"])],
                                    skip_special_tokens=True)
     truths = [ex["ground_truth"] for ex in examples for _ in range(group_size)]
     results, _ = scorer.score_batch(texts, truths)
-    full_PxL, full_mask_PxL = data.pad_prompts(ids, (prompt_len,), sampler.config.pad_id)
     repeat = lambda x: np.repeat(x, group_size, axis=0)
     return {
-        "prompt_tokens": repeat(full_PxL), "prompt_mask": repeat(full_mask_PxL),
+        "prompt_tokens": repeat(prompt_PxL), "prompt_mask": repeat(pmask_PxL),
         "tokens": out["tokens"], "mask": out["mask"], "logp": out["logp"],
         "length": out["length"].astype(np.int32), "truncated": out["truncated"].astype(bool),
         "score": np.asarray([r["score"] for r in results], np.float32),

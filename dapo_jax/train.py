@@ -167,7 +167,7 @@ def _step(run: Run, step: int) -> dict:
     updates = jax.device_get(updates)
     t_train = time.time() - t1
     out = {**_data_metrics(batch), **filter_stats,
-           **_logp_agreement(batch, rollout.to_host(old_logp_BxT), arrays["loss_mask"]),
+           **_logp_agreement(batch, sharding.to_host(old_logp_BxT), arrays["loss_mask"]),
            **{f"actor/{k}": float(np.mean([u[k] for u in updates])) for k in updates[0]}}
     out.update({
         "actor/skipped_updates": int(sum(u["skipped"] for u in updates)),
