@@ -7,15 +7,19 @@ contiguous). Decode step t (a `lax.while_loop` iteration) feeds one token per ro
 L-1+t, the last prompt token when t = 0 and the token sampled at t-1 after, at position
 `prompt_len - 1 + t` of its own row, and samples token t from the logits. A row reads cache slot s iff
 s holds a real prompt token or a token it fed, and s <= L-1+t. The loop stops after N tokens or when
-every row has ended (an id of `eos_ids`, which is kept and counted in the length).
+every row has ended (an id of `eos_ids`, which is kept and counted in the length). It runs in
+`decode_chunks` phases, each a `while_loop` whose caches hold only the slots filled by the phase's
+end (grown with empty slots between phases): attention reads the cache at every step, and early
+steps then read less of it.
 
 Log-probs. `logp_BxN` is log_softmax(logits / temperature) at the sampled token, before top-k /
 top-p truncation: the distribution the trainer recomputes from the same parameters with
 `model.forward`, so that the importance ratio of the first update is exactly one. The truncation only
 changes which tokens can be drawn.
 
-Randomness. Row (p, g) draws step t with key fold_in(fold_in(fold_in(rng, uid_p), g), t), so samples
-are reproducible and a row's samples do not depend on the other rows of the batch.
+Randomness. Row (p, g) draws its N uniform numbers u at once, before the loop, with key
+fold_in(fold_in(rng, uid_p), g); step t samples with the t-th. Samples are reproducible and a row's
+samples do not depend on the other rows of the batch.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from jax.sharding import Mesh
 from dapo_jax import sharding
 from dapo_jax.model import KVCache, Transformer, causal_attention_mask, init_cache, positions_from_mask
 
-_CACHE_AXES = ("batch", "kv_heads", "length", None)
+_CACHE_AXES = KVCache(k=("batch", "kv_heads", None, "length"), v=("batch", "kv_heads", "length", None))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +51,7 @@ class SamplingConfig:
     top_p: float = 1.0  # nucleus: keep the most likely tokens up to this probability mass
     top_k: int = 0  # keep the k most likely tokens; 0 keeps all
     greedy: bool = False  # argmax instead of sampling (logp still under log_softmax(logits / T))
+    decode_chunks: int = 4  # the decode loop's phases; each attends over the slots filled by its end
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -60,6 +65,8 @@ class SamplingConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.decode_chunks < 1:
+            raise ValueError(f"decode_chunks must be >= 1, got {self.decode_chunks}")
 
 
 def prefill(model: Transformer, params, tokens_PxT, mask_PxT, cache_len: int) -> list[KVCache]:
@@ -97,20 +104,44 @@ def truncate_logits(logits_BxV, top_k: int, top_p: float):
     return logits_BxV
 
 
-def sample_token(logits_BxV, keys_B, config: SamplingConfig):
-    """Draw one token per row; returns `(token_B, logp_B)` with logp under log_softmax(logits / T).
+def _first_reaching(p_BxN, target_B):
+    """`(i_B, rest_B)`: the first i with p_i > 0 whose cumulative sum reaches target (the last
+    positive i when rounding leaves none), and target minus the mass before i."""
+    cdf_BxN = jnp.cumsum(p_BxN, axis=-1)
+    positive_BxN = p_BxN > 0
+    hit_BxN = (cdf_BxN >= target_B[:, None]) & positive_BxN
+    last_B = p_BxN.shape[-1] - 1 - jnp.argmax(positive_BxN[:, ::-1], axis=-1)
+    i_B = jnp.where(hit_BxN.any(-1), jnp.argmax(hit_BxN, axis=-1), last_B)
+    before_B = jnp.take_along_axis(cdf_BxN - p_BxN, i_B[:, None], axis=-1)[:, 0]
+    return i_B, target_B - before_B
 
-    Inverse-CDF sampling: one uniform u in (0, 1] per row, token = the first index whose cumulative
-    probability reaches u (tokens of probability 0 are never drawn). One random number per row
-    instead of the Gumbel trick's one per vocabulary entry, which dominated a CPU decode step."""
+
+def draw_inverse_cdf(probs_BxV, u_B):
+    """Token i with cdf(i-1) < u * cdf(V-1) <= cdf(i), u in (0, 1]; tokens of probability 0 are
+    never drawn. Two levels of C ~ sqrt(V) entries: first the block of C tokens, then the token
+    within it, so that no cumulative sum runs over the whole vocabulary (a full-length cumsum was a
+    twentieth of a CPU decode step)."""
+    b, v = probs_BxV.shape
+    c = 1 << max(0, (v - 1).bit_length() + 1) // 2
+    blocks = -(-v // c)
+    probs_BxNxC = jnp.pad(probs_BxV, ((0, 0), (0, blocks * c - v))).reshape(b, blocks, c)
+    mass_BxN = probs_BxNxC.sum(-1)
+    block_B, rest_B = _first_reaching(mass_BxN, u_B * mass_BxN.sum(-1))
+    within_BxC = jnp.take_along_axis(probs_BxNxC, block_B[:, None, None], axis=1)[:, 0]
+    index_B, _ = _first_reaching(within_BxC, rest_B)
+    return block_B * c + index_B
+
+
+def sample_token(logits_BxV, u_B, config: SamplingConfig):
+    """Draw one token per row by inverse CDF at `u_B` in (0, 1]; returns `(token_B, logp_B)` with
+    logp under log_softmax(logits / T). One uniform number per row: the Gumbel trick's one per
+    vocabulary entry dominated a CPU decode step."""
     scaled_BxV = logits_BxV / config.temperature
     if config.greedy:
         token_B = jnp.argmax(logits_BxV, axis=-1)
     else:
         truncated_BxV = truncate_logits(scaled_BxV, config.top_k, config.top_p)
-        cdf_BxV = jnp.cumsum(jax.nn.softmax(truncated_BxV, axis=-1), axis=-1)
-        u_B = 1.0 - jax.vmap(jax.random.uniform)(keys_B)
-        token_B = jnp.sum(cdf_BxV < u_B[:, None] * cdf_BxV[:, -1:], axis=-1)
+        token_B = draw_inverse_cdf(jax.nn.softmax(truncated_BxV, axis=-1), u_B)
     logp_BxV = jax.nn.log_softmax(scaled_BxV, axis=-1)
     logp_B = jnp.take_along_axis(logp_BxV, token_B[:, None], axis=-1)[:, 0]
     return token_B.astype(jnp.int32), logp_B
@@ -126,32 +157,48 @@ class _LoopState(NamedTuple):
     length_B: jax.Array
 
 
+def phase_ends(config: SamplingConfig) -> list[int]:
+    """The step at which each decode phase ends: `decode_chunks` near-equal parts of N."""
+    n_new = config.max_new_tokens
+    chunks = min(config.decode_chunks, n_new)
+    return [-(-n_new * (j + 1) // chunks) for j in range(chunks)]
+
+
+def _grow(caches: list[KVCache], slots: int) -> list[KVCache]:
+    """Caches extended with empty slots up to `slots`."""
+    pad = lambda x, axis: jnp.pad(x, [(0, slots - x.shape[axis]) if a == axis else (0, 0)
+                                      for a in range(x.ndim)])
+    return [KVCache(pad(c.k, 3), pad(c.v, 2)) for c in caches]
+
+
 def rollout(model: Transformer, config: SamplingConfig, n: int, params, prompt_PxL, mask_PxL,
             uids_P, rng) -> dict:
     """G = `n` completions of each of P left-padded prompts (pure; jitted by `Sampler`)."""
     p, l = prompt_PxL.shape
     n_new, b = config.max_new_tokens, p * n
-    s = l + n_new - 1
     mask_PxL = mask_PxL.astype(bool)
-    constrain = lambda caches: [KVCache(*(nn.with_logical_constraint(x, _CACHE_AXES) for x in c))
+    constrain = lambda caches: [KVCache(*map(nn.with_logical_constraint, c, _CACHE_AXES))
                                 for c in caches]
     repeat = lambda x: jnp.repeat(x, n, axis=0)
+    ends = phase_ends(config)
 
-    caches = prefill(model, params, prompt_PxL[:, :-1], mask_PxL[:, :-1], s)
+    caches = prefill(model, params, prompt_PxL[:, :-1], mask_PxL[:, :-1], l - 1 + ends[0])
     caches = constrain(jax.tree.map(repeat, caches))
     readable_BxS = repeat(jnp.pad(mask_PxL, ((0, 0), (0, n_new - 1)), constant_values=True))
     first_pos_B = repeat(mask_PxL.sum(-1, dtype=jnp.int32) - 1)
     row_keys_B = jax.vmap(jax.random.fold_in)(
         repeat(jax.vmap(jax.random.fold_in, (None, 0))(rng, uids_P)), jnp.tile(jnp.arange(n), p))
+    u_BxN = 1.0 - jax.vmap(lambda key: jax.random.uniform(key, (n_new,)))(row_keys_B)  # (0, 1]
     eos_E = jnp.asarray(config.eos_ids, jnp.int32).reshape(-1)
 
     def body(st: _LoopState) -> _LoopState:
         slot = l - 1 + st.step
-        attn_BxS = readable_BxS & (jnp.arange(s) <= slot)
-        logits_BxV, caches = decode_step(model, params, st.feed_B, first_pos_B + st.step, attn_BxS,
+        w = st.caches[0].v.shape[2]  # this phase's slots
+        attn_BxW = readable_BxS[:, :w] & (jnp.arange(w) <= slot)
+        logits_BxV, caches = decode_step(model, params, st.feed_B, first_pos_B + st.step, attn_BxW,
                                          st.caches, slot)
-        keys_B = jax.vmap(jax.random.fold_in, (0, None))(row_keys_B, st.step)
-        token_B, logp_B = sample_token(logits_BxV, keys_B, config)
+        u_B = jax.lax.dynamic_index_in_dim(u_BxN, st.step, 1, keepdims=False)
+        token_B, logp_B = sample_token(logits_BxV, u_B, config)
         token_B = jnp.where(st.ended_B, config.pad_id, token_B)
         logp_B = jnp.where(st.ended_B, 0.0, logp_B)
         return _LoopState(
@@ -164,10 +211,7 @@ def rollout(model: Transformer, config: SamplingConfig, n: int, params, prompt_P
             length_B=st.length_B + (~st.ended_B),
         )
 
-    def running(st: _LoopState):
-        return (st.step < n_new) & ~jnp.all(st.ended_B)
-
-    init = _LoopState(
+    out = _LoopState(
         step=jnp.zeros((), jnp.int32),
         feed_B=repeat(prompt_PxL[:, -1]),
         caches=caches,
@@ -176,7 +220,10 @@ def rollout(model: Transformer, config: SamplingConfig, n: int, params, prompt_P
         ended_B=jnp.zeros((b,), bool),
         length_B=jnp.zeros((b,), jnp.int32),
     )
-    out = jax.lax.while_loop(running, body, init)
+    for j, end in enumerate(ends):
+        if j:
+            out = out._replace(caches=constrain(_grow(out.caches, l - 1 + end)))
+        out = jax.lax.while_loop(lambda st: (st.step < end) & ~jnp.all(st.ended_B), body, out)
     return {
         "tokens": out.tokens_BxN,  # B x N, pad_id after the end
         "logp": out.logp_BxN,  # B x N, 0 after the end

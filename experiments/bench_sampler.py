@@ -2,7 +2,7 @@
 
 Both sample (T = 1, no truncation, no end id, so every row makes all N tokens) from the same weights,
 the same left-padded prompts, timed in the same run after a warm-up (ours: after compilation, with
-block_until_ready). The time covers prefill and decode. Then an estimate of what bounds our step:
+block_until_ready), alternating, median of the repeats. The time covers prefill and decode. Then an estimate of what bounds our step:
 FLOPs per token against a measured matmul peak, bytes read per step (weights + the KV cache's S slots)
 against a measured memory bandwidth, and the per-step floor of a batch of 8 rows.
 
@@ -33,31 +33,50 @@ def prompts(batch, width, vocab, seed=0):
     return np.where(mask_PxL, rng.integers(1, vocab, size=(batch, width)), 0).astype(np.int32), mask_PxL
 
 
-def time_ours(m, params, mesh, tokens, mask, new, repeats):
+def ours(m, params, mesh, tokens, mask, new):
+    """A function that runs our sampler once (compiled here) and returns its seconds."""
     cfg = sampler.SamplingConfig(max_new_tokens=new, eos_ids=(), pad_id=0,
                                  prompt_buckets=(tokens.shape[1],))
     s = sampler.Sampler(m, cfg, mesh)
-    run = lambda i: jax.block_until_ready(s.generate(params, tokens, mask, 1, jax.random.key(i)))
-    run(0)  # compile
-    start = time.perf_counter()
-    for i in range(repeats):
-        out = run(i + 1)
-    seconds = (time.perf_counter() - start) / repeats
-    assert int(out["length"].min()) == new and s.num_traces == 1
-    return seconds
+    out = jax.block_until_ready(s.generate(params, tokens, mask, 1, jax.random.key(0)))  # compile
+    assert int(out["length"].min()) == new
+
+    def run(seed):
+        start = time.perf_counter()
+        jax.block_until_ready(s.generate(params, tokens, mask, 1, jax.random.key(seed)))
+        assert s.num_traces == 1
+        return time.perf_counter() - start
+    return run
 
 
-def time_hf(model_dir, tokens, mask, new):
+def theirs(model_dir, tokens, mask, new):
+    """A function that runs transformers `generate` once (warmed up here) and returns its seconds."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids, attn = torch.tensor(tokens, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
     kw = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, eos_token_id=None, pad_token_id=0)
     with torch.inference_mode():
         hf.generate(input_ids=ids, attention_mask=attn, max_new_tokens=8, **kw)  # warm-up
-        start = time.perf_counter()
-        out = hf.generate(input_ids=ids, attention_mask=attn, max_new_tokens=new, **kw)
-        seconds = time.perf_counter() - start
-    assert out.shape[1] == tokens.shape[1] + new
-    return seconds
+
+    def run(seed):
+        torch.manual_seed(seed)
+        with torch.inference_mode():
+            start = time.perf_counter()
+            out = hf.generate(input_ids=ids, attention_mask=attn, max_new_tokens=new, **kw)
+            seconds = time.perf_counter() - start
+        assert out.shape[1] == tokens.shape[1] + new
+        return seconds
+    return run
+
+
+def interleaved(runs: dict, repeats: int) -> dict:
+    """Median seconds of each run, the runs alternating so that a slow spell hits all of them, each
+    after a pause (a thread pool that still spins after its run would slow the next one)."""
+    seconds = {name: [] for name in runs}
+    for i in range(repeats):
+        for name, run in runs.items():
+            time.sleep(1.0)
+            seconds[name].append(run(i + 1))
+    return {name: float(np.median(v)) for name, v in seconds.items()}
 
 
 def matmul_flops_per_s(n=1024, repeats=20):
@@ -85,7 +104,7 @@ def main():
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--prompt", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     b, n, l = args.batch, args.new, args.prompt
 
@@ -101,30 +120,32 @@ def main():
           f"tokens, prompts left padded to {l}; jax {jax.__version__} on {jax.devices()[0].platform}, "
           f"torch {torch.__version__} with {torch.get_num_threads()} threads")
 
-    ours = time_ours(m, params, mesh, tokens, mask, n, args.repeats)
-    theirs = time_hf(model_dir, tokens, mask, n)
-    for name, sec in (("ours", ours), ("transformers", theirs)):
+    times = interleaved({"ours": ours(m, params, mesh, tokens, mask, n),
+                         "transformers": theirs(model_dir, tokens, mask, n)}, args.repeats)
+    for name, sec in times.items():
         print(f"{name + ':':14s}{b * n / sec:9.0f} tokens/s  ({sec:.2f} s per batch, "
-              f"{1e3 * sec / n:.1f} ms/step)")
-    print(f"ratio ours / transformers: {theirs / ours:.2f}x")
+              f"{1e3 * sec / n:.1f} ms/step; median of {args.repeats})")
+    print(f"ratio ours / transformers: {times['transformers'] / times['ours']:.2f}x")
 
     # What bounds a decode step of B rows over S = L + N - 1 cache slots.
     d, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
-    s = l + n - 1
+    ends = sampler.phase_ends(sampler.SamplingConfig(n, (), 0, (l,)))
+    s = np.mean([l - 1 + next(e for e in ends if t < e) for t in range(n)])  # cache slots read
     dense = cfg.num_params() - cfg.vocab_size * d  # the embedding table is gathered, not multiplied
-    flops_token = 2 * dense + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * s  # QK^T and PV over S
+    flops_token = 2 * dense + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * s  # QK^T, PV
     weight_bytes = 4 * dense
-    kv_bytes = 4 * 2 * cfg.num_layers * b * s * kv
+    kv_bytes = int(4 * 2 * cfg.num_layers * b * s * kv)
     peak_flops, bandwidth = matmul_flops_per_s(), bytes_per_s()
-    step = ours / n
+    step = times["ours"] / n
     achieved = flops_token * b / step
     print(f"compute: {flops_token / 1e6:.1f} MFLOP/token -> {achieved / 1e9:.1f} GFLOP/s achieved vs "
           f"{peak_flops / 1e9:.1f} GFLOP/s measured f32 matmul peak ({achieved / peak_flops:.0%})")
     mem_step = (weight_bytes + kv_bytes) / bandwidth
     print(f"memory: {weight_bytes / 2**20:.1f} MiB weights + {kv_bytes / 2**20:.1f} MiB KV cache "
+          f"(a mean {s:.0f} slots of the {l + n - 1} read) "
           f"per step -> {1e3 * mem_step:.2f} ms at {bandwidth / 2**30:.1f} GiB/s measured "
           f"({mem_step / step:.0%} of the {1e3 * step:.1f} ms step)")
-    small = time_ours(m, params, mesh, tokens[:8], mask[:8], n, args.repeats) / n
+    small = interleaved({"ours": ours(m, params, mesh, tokens[:8], mask[:8], n)}, args.repeats)["ours"] / n
     print(f"per-step floor (batch 8): {1e3 * small:.2f} ms = {small / step:.0%} of the batch-{b} step")
 
 

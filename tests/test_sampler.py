@@ -172,3 +172,33 @@ def test_sharded_equals_single_device(qwen2_dir, qwen2, single):
     np.testing.assert_allclose(np.asarray(out["logp"]), np.asarray(ref["logp"]), atol=1e-5)
     with pytest.raises(ValueError, match="do not divide"):
         sampler.Sampler(m, cfg, mesh).generate(sharded_params, prompt[:3], mask[:3], 1, jax.random.key(0))
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 96, 1000])
+def test_inverse_cdf_draw_equals_searchsorted(vocab):
+    """The two-level draw picks the first token whose cumulative probability reaches u * total,
+    as numpy's float64 searchsorted does, and never a token of probability 0."""
+    rng = np.random.default_rng(vocab)
+    probs = rng.random((256, vocab)) * (rng.random((256, vocab)) < 0.4)
+    probs[:, rng.integers(vocab, size=256)] += 0.1  # at least one positive entry per row
+    probs[0] = 0
+    probs[0, -1] = 1.0  # all mass on the last token
+    u = 1.0 - rng.random(256)
+    u[1] = 1.0
+    drawn = np.asarray(sampler.draw_inverse_cdf(jax.numpy.asarray(probs, "float32"),
+                                                jax.numpy.asarray(u, "float32")))
+    cdf = np.cumsum(probs, -1)
+    expected = [np.searchsorted(cdf[i], u[i] * cdf[i, -1]) for i in range(256)]
+    np.testing.assert_array_equal(drawn, expected)
+    assert np.all(probs[np.arange(256), drawn] > 0)
+
+
+def test_decode_chunks_leave_rollouts_unchanged(qwen2, single):
+    m, params = qwen2
+    prompt, mask = _prompts([8, 3, 6], 8, seed=6)
+    out = [jax.device_get(sampler.Sampler(m, _config(eos_ids=tuple(range(3, 15)), decode_chunks=c), single)
+                          .generate(params, prompt, mask, 2, jax.random.key(3))) for c in (1, 3)]
+    assert (~out[0]["truncated"]).any() and out[0]["truncated"].any()
+    np.testing.assert_array_equal(out[0]["tokens"], out[1]["tokens"])
+    np.testing.assert_array_equal(out[0]["length"], out[1]["length"])
+    np.testing.assert_allclose(out[0]["logp"], out[1]["logp"], atol=1e-5)
