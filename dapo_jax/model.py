@@ -62,22 +62,42 @@ class ModelConfig:
         return v * d * (1 if self.tie_word_embeddings else 2) + self.num_layers * layer + d
 
 
-class KVCache(NamedTuple):
-    """One layer's cache of S slots: keys transposed, `k_BxKxHxS`, and values, `v_BxKxSxH`.
+KEY_TILE = 32  # cache slots per key tile: a cache holds a whole number of tiles
 
-    Layouts chosen for the decode step on the contracted axis: q.k sums over H, which is not the
-    minor axis of `k`, so the products vectorise over the S slots (4.8x faster on XLA:CPU than keys
-    stored [B, K, S, H]); p.v sums over S with H minor."""
+
+class KVCache(NamedTuple):
+    """One layer's cache of S = C * KEY_TILE slots: keys in tiles of transposed keys,
+    `k_BxKxCxHxT` (slot s = c*T + t), and values, `v_BxKxSxH`.
+
+    The decode step's q.k sums over H. With keys stored [B, K, S, H] the sum runs along the minor
+    axis; stored [B, K, H, S] it reads H strided streams; in tiles each tile's H x T block is read
+    contiguously, which XLA:CPU ran 2.2x faster than the untiled transpose (4.8x faster than
+    [B, K, S, H]). p.v sums over S with H minor."""
 
     k: jax.Array
     v: jax.Array
 
 
 def init_cache(config: ModelConfig, batch: int, length: int) -> list[KVCache]:
-    """Zeroed per-layer caches of `length` slots in the compute dtype."""
+    """Zeroed per-layer caches of `length` slots (a multiple of KEY_TILE) in the compute dtype."""
+    if length % KEY_TILE:
+        raise ValueError(f"cache length {length} is not a multiple of KEY_TILE = {KEY_TILE}")
     b, k, h, dtype = batch, config.num_kv_heads, config.head_dim, config.compute_dtype
-    return [KVCache(jnp.zeros((b, k, h, length), dtype), jnp.zeros((b, k, length, h), dtype))
+    tiles = (b, k, length // KEY_TILE, h, KEY_TILE)
+    return [KVCache(jnp.zeros(tiles, dtype), jnp.zeros((b, k, length, h), dtype))
             for _ in range(config.num_layers)]
+
+
+def untile_keys(k_BxKxCxHxT: jax.Array) -> jax.Array:
+    """Cached keys as `kT_BxKxHxS`."""
+    b, k, c, h, t = k_BxKxCxHxT.shape
+    return k_BxKxCxHxT.transpose(0, 1, 3, 2, 4).reshape(b, k, h, c * t)
+
+
+def tile_keys(kT_BxKxHxS: jax.Array) -> jax.Array:
+    """`kT_BxKxHxS` (S a multiple of KEY_TILE) as cached key tiles `k_BxKxCxHxT`."""
+    b, k, h, s = kT_BxKxHxS.shape
+    return kT_BxKxHxS.reshape(b, k, h, s // KEY_TILE, KEY_TILE).transpose(0, 1, 3, 2, 4)
 
 
 def positions_from_mask(mask_BxT: jax.Array) -> jax.Array:
@@ -128,22 +148,24 @@ def apply_rope(x_BxTxNxH: jax.Array, rope: Rope) -> jax.Array:
     return out.astype(x_BxTxNxH.dtype)
 
 
-def grouped_attention(q_BxTxKxGxH, kT_BxKxHxS, v_BxKxSxH, attn_BxTxS, dtype):
+def grouped_attention(q_BxTxKxGxH, keys, v_BxKxSxH, attn_BxTxS, dtype):
     """softmax(q k^T / sqrt(H), masked) v for G query heads per kv head; scores in float32.
 
-    A single query (T = 1, a decode step) is written as broadcast multiplies and sums: as dots they
-    become B x K tiny matrix products, which XLA:CPU ran several times slower."""
-    scale = 1.0 / math.sqrt(q_BxTxKxGxH.shape[-1])
-    if q_BxTxKxGxH.shape[1] == 1:
-        q_BxKxGxHx1 = q_BxTxKxGxH[:, 0, :, :, :, None].astype(jnp.float32)
-        scores = jnp.sum(q_BxKxGxHx1 * kT_BxKxHxS[:, :, None].astype(jnp.float32), -2) * scale
-        scores_BxKxGxTxS = scores[:, :, :, None, :]
+    `keys` are `kT_BxKxHxS`, or cached key tiles `k_BxKxCxHxT` for a single query (T = 1, a decode
+    step), which is written as broadcast multiplies and sums: as dots they become B x K tiny matrix
+    products, which XLA:CPU ran several times slower."""
+    b, t, k, g, h = q_BxTxKxGxH.shape
+    scale = 1.0 / math.sqrt(h)
+    if keys.ndim == 5:
+        q_BxKxGx1xHx1 = q_BxTxKxGxH[:, 0, :, :, None, :, None].astype(jnp.float32)
+        scores = jnp.sum(q_BxKxGx1xHx1 * keys[:, :, None].astype(jnp.float32), -2) * scale
+        scores_BxKxGxTxS = scores.reshape(b, k, g, 1, -1)
     else:
-        scores_BxKxGxTxS = jnp.einsum("btkgh,bkhs->bkgts", q_BxTxKxGxH, kT_BxKxHxS,
+        scores_BxKxGxTxS = jnp.einsum("btkgh,bkhs->bkgts", q_BxTxKxGxH, keys,
                                       preferred_element_type=jnp.float32) * scale
     scores = jnp.where(attn_BxTxS[:, None, None], scores_BxKxGxTxS, _NEG_INF)
     probs_BxKxGxTxS = jax.nn.softmax(scores, axis=-1).astype(dtype)
-    if q_BxTxKxGxH.shape[1] == 1:
+    if keys.ndim == 5:
         out_BxKxGxH = jnp.sum(probs_BxKxGxTxS[:, :, :, 0, :, None] * v_BxKxSxH[:, :, None], -2)
         return out_BxKxGxH[:, None]
     return jnp.einsum("bkgts,bksh->btkgh", probs_BxKxGxTxS, v_BxKxSxH)
@@ -196,15 +218,23 @@ class Attention(nn.Module):
         kT_BxKxHxT = apply_rope(key.reshape(b, t, k, h), rope).transpose(0, 2, 3, 1)
         v_BxKxTxH = val.reshape(b, t, k, h).transpose(0, 2, 1, 3)
         if cache is not None:
-            kT_BxKxHxS = jax.lax.dynamic_update_slice(
-                cache.k, kT_BxKxHxT.astype(cache.k.dtype), (0, 0, 0, cache_index))
             v_BxKxSxH = jax.lax.dynamic_update_slice(
                 cache.v, v_BxKxTxH.astype(cache.v.dtype), (0, 0, cache_index, 0))
-            cache = KVCache(kT_BxKxHxS, v_BxKxSxH)
+            new_keys = kT_BxKxHxT.astype(cache.k.dtype)
+            if t == 1:  # a decode step writes one slot of one tile
+                keys = jax.lax.dynamic_update_slice(
+                    cache.k, new_keys[:, :, None], (0, 0, cache_index // KEY_TILE, 0,
+                                                    cache_index % KEY_TILE))
+            else:  # a prefill writes across tiles: untile, write, tile again
+                keys = tile_keys(jax.lax.dynamic_update_slice(
+                    untile_keys(cache.k), new_keys, (0, 0, 0, cache_index)))
+            cache = KVCache(keys, v_BxKxSxH)
+            if t > 1:
+                keys = untile_keys(keys)
         else:
-            kT_BxKxHxS, v_BxKxSxH = kT_BxKxHxT, v_BxKxTxH
+            keys, v_BxKxSxH = kT_BxKxHxT, v_BxKxTxH
         q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, k, n // k, h)
-        out = grouped_attention(q_BxTxKxGxH, kT_BxKxHxS, v_BxKxSxH, attn_BxTxS, c.compute_dtype)
+        out = grouped_attention(q_BxTxKxGxH, keys, v_BxKxSxH, attn_BxTxS, c.compute_dtype)
         out = out.reshape(b, t, n * h)
         out = nn.with_logical_constraint(out, ("batch", "length", "heads"))
         return _dense(c, c.hidden_size, ("heads", "embed"), False, "o_proj")(out), cache

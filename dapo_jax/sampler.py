@@ -1,16 +1,16 @@
 """Rollouts: prefill P left-padded prompts once, then sample G completions of each in one jitted loop.
 
 Layout. Prompts are left padded to a bucket length L, so every prompt ends at slot L-1. The prefill
-runs the first L-1 prompt columns into per-layer KV caches of S = L + N - 1 slots (N = max new
-tokens), which are then repeated G times along the batch (row b = p*G + g, a group's rows
+runs the first L-1 prompt columns into per-layer KV caches (N = max new tokens; at most L + N - 1
+slots are used), which are then repeated G times along the batch (row b = p*G + g, a group's rows
 contiguous). Decode step t (a `lax.while_loop` iteration) feeds one token per row at the shared slot
 L-1+t, the last prompt token when t = 0 and the token sampled at t-1 after, at position
 `prompt_len - 1 + t` of its own row, and samples token t from the logits. A row reads cache slot s iff
 s holds a real prompt token or a token it fed, and s <= L-1+t. The loop stops after N tokens or when
 every row has ended (an id of `eos_ids`, which is kept and counted in the length). It runs in
 `decode_chunks` phases, each a `while_loop` whose caches hold only the slots filled by the phase's
-end (grown with empty slots between phases): attention reads the cache at every step, and early
-steps then read less of it.
+end, in whole key tiles (`decode_phases`; grown with empty slots between phases): attention reads
+the cache at every step, and early steps then read less of it.
 
 Log-probs. `logp_BxN` is log_softmax(logits / temperature) at the sampled token, before top-k /
 top-p truncation: the distribution the trainer recomputes from the same parameters with
@@ -34,9 +34,11 @@ import numpy as np
 from jax.sharding import Mesh
 
 from dapo_jax import sharding
-from dapo_jax.model import KVCache, Transformer, causal_attention_mask, init_cache, positions_from_mask
+from dapo_jax.model import (KEY_TILE, KVCache, Transformer, causal_attention_mask, init_cache,
+                            positions_from_mask)
 
-_CACHE_AXES = KVCache(k=("batch", "kv_heads", None, "length"), v=("batch", "kv_heads", "length", None))
+_CACHE_AXES = KVCache(k=("batch", "kv_heads", "length", None, None),
+                      v=("batch", "kv_heads", "length", None))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +72,7 @@ class SamplingConfig:
 
 
 def prefill(model: Transformer, params, tokens_PxT, mask_PxT, cache_len: int) -> list[KVCache]:
-    """Fresh caches of `cache_len` slots holding the keys/values of the T prompt tokens at slots
+    """Fresh caches of `cache_len` slots (whole key tiles) holding the keys/values of the T prompt tokens at slots
     0..T-1. The logits are not used, so XLA drops the LM head over the T x vocab positions."""
     caches = init_cache(model.config, tokens_PxT.shape[0], cache_len)
     t = tokens_PxT.shape[1]
@@ -117,8 +119,8 @@ def _first_reaching(p_BxN, target_B):
 
 
 def draw_inverse_cdf(probs_BxV, u_B):
-    """Token i with cdf(i-1) < u * cdf(V-1) <= cdf(i), u in (0, 1]; tokens of probability 0 are
-    never drawn. Two levels of C ~ sqrt(V) entries: first the block of C tokens, then the token
+    """Token i with cdf(i-1) < u * cdf(V-1) <= cdf(i), u in (0, 1], for probabilities known up to
+    a factor (`probs_BxV` need not sum to one); tokens of probability 0 are never drawn. Two levels of C ~ sqrt(V) entries: first the block of C tokens, then the token
     within it, so that no cumulative sum runs over the whole vocabulary (a full-length cumsum was a
     twentieth of a CPU decode step)."""
     b, v = probs_BxV.shape
@@ -135,16 +137,19 @@ def draw_inverse_cdf(probs_BxV, u_B):
 def sample_token(logits_BxV, u_B, config: SamplingConfig):
     """Draw one token per row by inverse CDF at `u_B` in (0, 1]; returns `(token_B, logp_B)` with
     logp under log_softmax(logits / T). One uniform number per row: the Gumbel trick's one per
-    vocabulary entry dominated a CPU decode step."""
+    vocabulary entry dominated a CPU decode step. One exp pass serves both: the kept tokens'
+    weights exp(x - max) are the truncated distribution up to its normaliser."""
     scaled_BxV = logits_BxV / config.temperature
+    max_Bx1 = jnp.max(scaled_BxV, axis=-1, keepdims=True)
+    weights_BxV = jnp.exp(scaled_BxV - max_Bx1)
     if config.greedy:
         token_B = jnp.argmax(logits_BxV, axis=-1)
     else:
-        truncated_BxV = truncate_logits(scaled_BxV, config.top_k, config.top_p)
-        token_B = draw_inverse_cdf(jax.nn.softmax(truncated_BxV, axis=-1), u_B)
-    logp_BxV = jax.nn.log_softmax(scaled_BxV, axis=-1)
-    logp_B = jnp.take_along_axis(logp_BxV, token_B[:, None], axis=-1)[:, 0]
-    return token_B.astype(jnp.int32), logp_B
+        kept_BxV = truncate_logits(scaled_BxV, config.top_k, config.top_p) > -jnp.inf
+        token_B = draw_inverse_cdf(jnp.where(kept_BxV, weights_BxV, 0.0), u_B)
+    log_z_B = jnp.log(jnp.sum(weights_BxV, axis=-1))
+    drawn_B = jnp.take_along_axis(scaled_BxV - max_Bx1, token_B[:, None], axis=-1)[:, 0]
+    return token_B.astype(jnp.int32), drawn_B - log_z_B
 
 
 class _LoopState(NamedTuple):
@@ -157,18 +162,20 @@ class _LoopState(NamedTuple):
     length_B: jax.Array
 
 
-def phase_ends(config: SamplingConfig) -> list[int]:
-    """The step at which each decode phase ends: `decode_chunks` near-equal parts of N."""
+def decode_phases(config: SamplingConfig, prompt_len: int) -> list[tuple[int, int]]:
+    """`(end, slots)` of each decode phase: `decode_chunks` near-equal parts of the N steps, the
+    last step at `end` - 1, over caches of the slots filled by then in whole key tiles."""
     n_new = config.max_new_tokens
     chunks = min(config.decode_chunks, n_new)
-    return [-(-n_new * (j + 1) // chunks) for j in range(chunks)]
+    ends = [-(-n_new * (j + 1) // chunks) for j in range(chunks)]
+    return [(end, -(-(prompt_len - 1 + end) // KEY_TILE) * KEY_TILE) for end in ends]
 
 
 def _grow(caches: list[KVCache], slots: int) -> list[KVCache]:
-    """Caches extended with empty slots up to `slots`."""
-    pad = lambda x, axis: jnp.pad(x, [(0, slots - x.shape[axis]) if a == axis else (0, 0)
-                                      for a in range(x.ndim)])
-    return [KVCache(pad(c.k, 3), pad(c.v, 2)) for c in caches]
+    """Caches extended with empty slots up to `slots` (whole key tiles)."""
+    pad = lambda x, axis, size: jnp.pad(x, [(0, size - x.shape[axis]) if a == axis else (0, 0)
+                                            for a in range(x.ndim)])
+    return [KVCache(pad(c.k, 2, slots // KEY_TILE), pad(c.v, 2, slots)) for c in caches]
 
 
 def rollout(model: Transformer, config: SamplingConfig, n: int, params, prompt_PxL, mask_PxL,
@@ -180,11 +187,11 @@ def rollout(model: Transformer, config: SamplingConfig, n: int, params, prompt_P
     constrain = lambda caches: [KVCache(*map(nn.with_logical_constraint, c, _CACHE_AXES))
                                 for c in caches]
     repeat = lambda x: jnp.repeat(x, n, axis=0)
-    ends = phase_ends(config)
+    phases = decode_phases(config, l)
 
-    caches = prefill(model, params, prompt_PxL[:, :-1], mask_PxL[:, :-1], l - 1 + ends[0])
+    caches = prefill(model, params, prompt_PxL[:, :-1], mask_PxL[:, :-1], phases[0][1])
     caches = constrain(jax.tree.map(repeat, caches))
-    readable_BxS = repeat(jnp.pad(mask_PxL, ((0, 0), (0, n_new - 1)), constant_values=True))
+    readable_BxS = repeat(jnp.pad(mask_PxL, ((0, 0), (0, phases[-1][1] - l)), constant_values=True))
     first_pos_B = repeat(mask_PxL.sum(-1, dtype=jnp.int32) - 1)
     row_keys_B = jax.vmap(jax.random.fold_in)(
         repeat(jax.vmap(jax.random.fold_in, (None, 0))(rng, uids_P)), jnp.tile(jnp.arange(n), p))
@@ -220,9 +227,9 @@ def rollout(model: Transformer, config: SamplingConfig, n: int, params, prompt_P
         ended_B=jnp.zeros((b,), bool),
         length_B=jnp.zeros((b,), jnp.int32),
     )
-    for j, end in enumerate(ends):
+    for j, (end, slots) in enumerate(phases):
         if j:
-            out = out._replace(caches=constrain(_grow(out.caches, l - 1 + end)))
+            out = out._replace(caches=constrain(_grow(out.caches, slots)))
         out = jax.lax.while_loop(lambda st: (st.step < end) & ~jnp.all(st.ended_B), body, out)
     return {
         "tokens": out.tokens_BxN,  # B x N, pad_id after the end

@@ -129,8 +129,8 @@ def main():
 
     # What bounds a decode step of B rows over S = L + N - 1 cache slots.
     d, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
-    ends = sampler.phase_ends(sampler.SamplingConfig(n, (), 0, (l,)))
-    s = np.mean([l - 1 + next(e for e in ends if t < e) for t in range(n)])  # cache slots read
+    phases = sampler.decode_phases(sampler.SamplingConfig(n, (), 0, (l,)), l)
+    s = np.mean([next(slots for end, slots in phases if t < end) for t in range(n)])  # slots read
     dense = cfg.num_params() - cfg.vocab_size * d  # the embedding table is gathered, not multiplied
     flops_token = 2 * dense + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * s  # QK^T, PV
     weight_bytes = 4 * dense
@@ -142,7 +142,7 @@ def main():
           f"{peak_flops / 1e9:.1f} GFLOP/s measured f32 matmul peak ({achieved / peak_flops:.0%})")
     mem_step = (weight_bytes + kv_bytes) / bandwidth
     print(f"memory: {weight_bytes / 2**20:.1f} MiB weights + {kv_bytes / 2**20:.1f} MiB KV cache "
-          f"(a mean {s:.0f} slots of the {l + n - 1} read) "
+          f"(a mean {s:.0f} of {phases[-1][1]} slots read) "
           f"per step -> {1e3 * mem_step:.2f} ms at {bandwidth / 2**30:.1f} GiB/s measured "
           f"({mem_step / step:.0%} of the {1e3 * step:.1f} ms step)")
     small = interleaved({"ours": ours(m, params, mesh, tokens[:8], mask[:8], n)}, args.repeats)["ours"] / n
