@@ -71,8 +71,8 @@ class KVCache(NamedTuple):
 
     The decode step's q.k sums over H. With keys stored [B, K, S, H] the sum runs along the minor
     axis; stored [B, K, H, S] it reads H strided streams; in tiles each tile's H x T block is read
-    contiguously, which XLA:CPU ran 2.2x faster than the untiled transpose (4.8x faster than
-    [B, K, S, H]). p.v sums over S with H minor."""
+    contiguously. On XLA:CPU (S = 160, f32) the tiles ran 2.2x faster than [B, K, H, S], itself
+    4.8x faster than [B, K, S, H]. p.v sums over S with H minor."""
 
     k: jax.Array
     v: jax.Array
@@ -137,6 +137,7 @@ class Rope(NamedTuple):
 
 
 def rope_tables(positions_BxT: jax.Array, config: ModelConfig) -> Rope:
+    """The angles position * theta^(-2i/d) of every token, as cos and sin."""
     angles_BxTxH2 = positions_BxT[..., None].astype(jnp.float32) * rope_inverse_frequencies(config)
     return Rope(jnp.cos(angles_BxTxH2)[:, :, None, :], jnp.sin(angles_BxTxH2)[:, :, None, :])
 

@@ -72,8 +72,9 @@ class SamplingConfig:
 
 
 def prefill(model: Transformer, params, tokens_PxT, mask_PxT, cache_len: int) -> list[KVCache]:
-    """Fresh caches of `cache_len` slots (whole key tiles) holding the keys/values of the T prompt tokens at slots
-    0..T-1. The logits are not used, so XLA drops the LM head over the T x vocab positions."""
+    """Fresh caches of `cache_len` slots (whole key tiles) holding the keys/values of the T prompt
+    tokens at slots 0..T-1. The logits are not used, so XLA drops the LM head over the T x vocab
+    positions."""
     caches = init_cache(model.config, tokens_PxT.shape[0], cache_len)
     t = tokens_PxT.shape[1]
     if t == 0:
@@ -120,9 +121,10 @@ def _first_reaching(p_BxN, target_B):
 
 def draw_inverse_cdf(probs_BxV, u_B):
     """Token i with cdf(i-1) < u * cdf(V-1) <= cdf(i), u in (0, 1], for probabilities known up to
-    a factor (`probs_BxV` need not sum to one); tokens of probability 0 are never drawn. Two levels of C ~ sqrt(V) entries: first the block of C tokens, then the token
-    within it, so that no cumulative sum runs over the whole vocabulary (a full-length cumsum was a
-    twentieth of a CPU decode step)."""
+    a factor (`probs_BxV` need not sum to one); tokens of probability 0 are never drawn. Two levels
+    of C ~ sqrt(V) entries, first the block of C tokens, then the token within it, so that no
+    cumulative sum runs over the whole vocabulary (a full-length cumsum was a twentieth of a CPU
+    decode step)."""
     b, v = probs_BxV.shape
     c = 1 << max(0, (v - 1).bit_length() + 1) // 2
     blocks = -(-v // c)

@@ -2,9 +2,10 @@
 
 Both sample (T = 1, no truncation, no end id, so every row makes all N tokens) from the same weights,
 the same left-padded prompts, timed in the same run after a warm-up (ours: after compilation, with
-block_until_ready), alternating, median of the repeats. The time covers prefill and decode. Then an estimate of what bounds our step:
-FLOPs per token against a measured matmul peak, bytes read per step (weights + the KV cache's S slots)
-against a measured memory bandwidth, and the per-step floor of a batch of 8 rows.
+block_until_ready), alternating, the median of the repeats. The time covers prefill and decode.
+Then an estimate of what bounds our step: FLOPs per token against a measured matmul peak, bytes
+read per step (weights + the KV cache slots read) against a measured memory bandwidth, and the
+per-step floor of a batch of 8 rows.
 
     PYTHONPATH=. python experiments/bench_sampler.py --batch 128 --new 128 --prompt 32
 """
@@ -127,7 +128,7 @@ def main():
               f"{1e3 * sec / n:.1f} ms/step; median of {args.repeats})")
     print(f"ratio ours / transformers: {times['transformers'] / times['ours']:.2f}x")
 
-    # What bounds a decode step of B rows over S = L + N - 1 cache slots.
+    # What bounds a decode step of B rows over a mean of S cache slots.
     d, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
     phases = sampler.decode_phases(sampler.SamplingConfig(n, (), 0, (l,)), l)
     s = np.mean([next(slots for end, slots in phases if t < end) for t in range(n)])  # slots read
@@ -145,7 +146,7 @@ def main():
           f"(a mean {s:.0f} of {phases[-1][1]} slots read) "
           f"per step -> {1e3 * mem_step:.2f} ms at {bandwidth / 2**30:.1f} GiB/s measured "
           f"({mem_step / step:.0%} of the {1e3 * step:.1f} ms step)")
-    small = interleaved({"ours": ours(m, params, mesh, tokens[:8], mask[:8], n)}, args.repeats)["ours"] / n
+    small = interleaved({"b8": ours(m, params, mesh, tokens[:8], mask[:8], n)}, args.repeats)["b8"] / n
     print(f"per-step floor (batch 8): {1e3 * small:.2f} ms = {small / step:.0%} of the batch-{b} step")
 
 
