@@ -222,16 +222,15 @@ class Attention(nn.Module):
             v_BxKxSxH = jax.lax.dynamic_update_slice(
                 cache.v, v_BxKxTxH.astype(cache.v.dtype), (0, 0, cache_index, 0))
             new_keys = kT_BxKxHxT.astype(cache.k.dtype)
-            if t == 1:  # a decode step writes one slot of one tile
+            if t == 1:  # a decode step writes one slot of one tile and reads the tiles
                 keys = jax.lax.dynamic_update_slice(
                     cache.k, new_keys[:, :, None], (0, 0, cache_index // KEY_TILE, 0,
                                                     cache_index % KEY_TILE))
-            else:  # a prefill writes across tiles: untile, write, tile again
-                keys = tile_keys(jax.lax.dynamic_update_slice(
-                    untile_keys(cache.k), new_keys, (0, 0, 0, cache_index)))
-            cache = KVCache(keys, v_BxKxSxH)
-            if t > 1:
-                keys = untile_keys(keys)
+                cache = KVCache(keys, v_BxKxSxH)
+            else:  # a prefill writes across tiles and reads the keys untiled
+                keys = jax.lax.dynamic_update_slice(untile_keys(cache.k), new_keys,
+                                                    (0, 0, 0, cache_index))
+                cache = KVCache(tile_keys(keys), v_BxKxSxH)
         else:
             keys, v_BxKxSxH = kT_BxKxHxT, v_BxKxTxH
         q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, k, n // k, h)
