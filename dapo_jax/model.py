@@ -272,7 +272,9 @@ class DecoderLayer(nn.Module):
 
 class Transformer(nn.Module):
     """Causal LM. `__call__(tokens_BxT, positions_BxT, attn_BxTxS, caches=None, cache_index=0)`
-    returns `(logits_BxTxV in float32, new caches or None)`."""
+    returns `(logits_BxTxV in float32, new caches or None)`. `positions_BxT` may be given as their
+    `rope_tables`: a loop of decode steps computes them once (XLA:CPU would recompute the cos and sin
+    in every layer's fusions, each ~20 ns per element)."""
 
     config: ModelConfig
 
@@ -287,7 +289,8 @@ class Transformer(nn.Module):
         )
         x_BxTxD = nn.with_logical_constraint(embed(tokens_BxT), ("batch", "length", "embed"))
         layer_cls = nn.remat(DecoderLayer) if c.remat else DecoderLayer
-        rope, new_caches = rope_tables(positions_BxT, c), []
+        rope = positions_BxT if isinstance(positions_BxT, Rope) else rope_tables(positions_BxT, c)
+        new_caches = []
         for i in range(c.num_layers):
             x_BxTxD, cache = layer_cls(c, name=f"layers_{i}")(
                 x_BxTxD, rope, attn_BxTxS, None if caches is None else caches[i],

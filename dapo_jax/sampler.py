@@ -5,7 +5,8 @@ runs the first L-1 prompt columns into per-layer KV caches (N = max new tokens; 
 slots are used), which are then repeated G times along the batch (row b = p*G + g, a group's rows
 contiguous). Decode step t (a `lax.while_loop` iteration) feeds one token per row at the shared slot
 L-1+t, the last prompt token when t = 0 and the token sampled at t-1 after, at position
-`prompt_len - 1 + t` of its own row, and samples token t from the logits. A row reads cache slot s iff
+`prompt_len - 1 + t` of its own row (rotary tables of every position computed once, before the
+loop), and samples token t from the logits. A row reads cache slot s iff
 s holds a real prompt token or a token it fed, and s <= L-1+t. The loop stops after N tokens or when
 every row has ended (an id of `eos_ids`, which is kept and counted in the length). It runs in
 `decode_chunks` phases, each a `while_loop` whose caches hold only the slots filled by the phase's
@@ -34,8 +35,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from dapo_jax import sharding
-from dapo_jax.model import (KEY_TILE, KVCache, Transformer, causal_attention_mask, init_cache,
-                            positions_from_mask)
+from dapo_jax.model import (KEY_TILE, KVCache, Rope, Transformer, causal_attention_mask,
+                            init_cache, positions_from_mask, rope_tables)
 
 _CACHE_AXES = KVCache(k=("batch", "kv_heads", "length", None, None),
                       v=("batch", "kv_heads", "length", None))
@@ -86,8 +87,10 @@ def prefill(model: Transformer, params, tokens_PxT, mask_PxT, cache_len: int) ->
 
 
 def decode_step(model: Transformer, params, tokens_B, positions_B, attn_BxS, caches, slot):
-    """Feed one token per row at cache `slot`; returns `(logits_BxV, caches)`."""
-    logits_Bx1xV, caches = model.apply({"params": params}, tokens_B[:, None], positions_B[:, None],
+    """Feed one token per row at cache `slot`; returns `(logits_BxV, caches)`. `positions_B` may be
+    given as their `rope_tables` (of shape [B, 1])."""
+    positions_Bx1 = positions_B if isinstance(positions_B, Rope) else positions_B[:, None]
+    logits_Bx1xV, caches = model.apply({"params": params}, tokens_B[:, None], positions_Bx1,
                                        attn_BxS[:, None, :], caches, slot)
     return logits_Bx1xV[:, 0], caches
 
@@ -146,9 +149,11 @@ def sample_token(logits_BxV, u_B, config: SamplingConfig):
     weights_BxV = jnp.exp(scaled_BxV - max_Bx1)
     if config.greedy:
         token_B = jnp.argmax(logits_BxV, axis=-1)
-    else:
+    elif config.top_k or config.top_p < 1:
         kept_BxV = truncate_logits(scaled_BxV, config.top_k, config.top_p) > -jnp.inf
         token_B = draw_inverse_cdf(jnp.where(kept_BxV, weights_BxV, 0.0), u_B)
+    else:
+        token_B = draw_inverse_cdf(weights_BxV, u_B)
     log_z_B = jnp.log(jnp.sum(weights_BxV, axis=-1))
     drawn_B = jnp.take_along_axis(scaled_BxV - max_Bx1, token_B[:, None], axis=-1)[:, 0]
     return token_B.astype(jnp.int32), drawn_B - log_z_B
@@ -195,6 +200,7 @@ def rollout(model: Transformer, config: SamplingConfig, n: int, params, prompt_P
     caches = constrain(jax.tree.map(repeat, caches))
     readable_BxS = repeat(jnp.pad(mask_PxL, ((0, 0), (0, phases[-1][1] - l)), constant_values=True))
     first_pos_B = repeat(mask_PxL.sum(-1, dtype=jnp.int32) - 1)
+    rope_1xP = rope_tables(jnp.arange(l + n_new)[None], model.config)  # every position a row reaches
     row_keys_B = jax.vmap(jax.random.fold_in)(
         repeat(jax.vmap(jax.random.fold_in, (None, 0))(rng, uids_P)), jnp.tile(jnp.arange(n), p))
     u_BxN = 1.0 - jax.vmap(lambda key: jax.random.uniform(key, (n_new,)))(row_keys_B)  # (0, 1]
@@ -204,8 +210,8 @@ def rollout(model: Transformer, config: SamplingConfig, n: int, params, prompt_P
         slot = l - 1 + st.step
         w = st.caches[0].v.shape[2]  # this phase's slots
         attn_BxW = readable_BxS[:, :w] & (jnp.arange(w) <= slot)
-        logits_BxV, caches = decode_step(model, params, st.feed_B, first_pos_B + st.step, attn_BxW,
-                                         st.caches, slot)
+        rope = Rope(*(x[0, first_pos_B + st.step, None] for x in rope_1xP))
+        logits_BxV, caches = decode_step(model, params, st.feed_B, rope, attn_BxW, st.caches, slot)
         u_B = jax.lax.dynamic_index_in_dim(u_BxN, st.step, 1, keepdims=False)
         token_B, logp_B = sample_token(logits_BxV, u_B, config)
         token_B = jnp.where(st.ended_B, config.pad_id, token_B)

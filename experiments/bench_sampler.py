@@ -3,11 +3,13 @@
 Both sample (T = 1, no truncation, no end id, so every row makes all N tokens) from the same weights,
 the same left-padded prompts, timed in the same run after a warm-up (ours: after compilation, with
 block_until_ready), alternating, the median of the repeats. The time covers prefill and decode.
+`--group G` samples G completions of each of B / G prompts, as DAPO does (transformers:
+`num_return_sequences`); ours then runs each prompt's prefill once.
 Then an estimate of what bounds our step: FLOPs per token against a measured matmul peak, bytes
 read per step (weights + the KV cache slots read) against a measured memory bandwidth, and the
 per-step floor of a batch of 8 rows.
 
-    PYTHONPATH=. python experiments/bench_sampler.py --batch 128 --new 128 --prompt 32
+    PYTHONPATH=. python experiments/bench_sampler.py --batch 128 --new 128 --prompt 32 [--group 16]
 """
 
 import argparse
@@ -34,27 +36,28 @@ def prompts(batch, width, vocab, seed=0):
     return np.where(mask_PxL, rng.integers(1, vocab, size=(batch, width)), 0).astype(np.int32), mask_PxL
 
 
-def ours(m, params, mesh, tokens, mask, new):
+def ours(m, params, mesh, tokens, mask, new, group=1):
     """A function that runs our sampler once (compiled here) and returns its seconds."""
     cfg = sampler.SamplingConfig(max_new_tokens=new, eos_ids=(), pad_id=0,
                                  prompt_buckets=(tokens.shape[1],))
     s = sampler.Sampler(m, cfg, mesh)
-    out = jax.block_until_ready(s.generate(params, tokens, mask, 1, jax.random.key(0)))  # compile
+    out = jax.block_until_ready(s.generate(params, tokens, mask, group, jax.random.key(0)))  # compile
     assert int(out["length"].min()) == new
 
     def run(seed):
         start = time.perf_counter()
-        jax.block_until_ready(s.generate(params, tokens, mask, 1, jax.random.key(seed)))
+        jax.block_until_ready(s.generate(params, tokens, mask, group, jax.random.key(seed)))
         assert s.num_traces == 1
         return time.perf_counter() - start
     return run
 
 
-def theirs(model_dir, tokens, mask, new):
+def theirs(model_dir, tokens, mask, new, group=1):
     """A function that runs transformers `generate` once (warmed up here) and returns its seconds."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids, attn = torch.tensor(tokens, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
-    kw = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, eos_token_id=None, pad_token_id=0)
+    kw = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, eos_token_id=None, pad_token_id=0,
+              num_return_sequences=group)
     with torch.inference_mode():
         hf.generate(input_ids=ids, attention_mask=attn, max_new_tokens=8, **kw)  # warm-up
 
@@ -64,7 +67,7 @@ def theirs(model_dir, tokens, mask, new):
             start = time.perf_counter()
             out = hf.generate(input_ids=ids, attention_mask=attn, max_new_tokens=new, **kw)
             seconds = time.perf_counter() - start
-        assert out.shape[1] == tokens.shape[1] + new
+        assert out.shape == (tokens.shape[0] * group, tokens.shape[1] + new)
         return seconds
     return run
 
@@ -105,9 +108,12 @@ def main():
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--group", type=int, default=1, help="completions per prompt (B / G prompts)")
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
-    b, n, l = args.batch, args.new, args.prompt
+    b, n, l, g = args.batch, args.new, args.prompt, args.group
+    if b % g:
+        ap.error(f"--batch {b} is not a multiple of --group {g}")
 
     torch.manual_seed(0)
     model_dir = tempfile.mkdtemp()
@@ -116,13 +122,13 @@ def main():
     m = model.Transformer(cfg)
     mesh = sharding.make_mesh({"data": -1}, devices=jax.devices()[:1])
     params = hf_io.load_params(model_dir, m, mesh)
-    tokens, mask = prompts(b, l, cfg.vocab_size)
+    tokens, mask = prompts(b // g, l, cfg.vocab_size)
     print(f"model: Qwen2 {cfg.num_params() / 1e6:.2f}M params ({QWEN2_TINY}); batch {b} x {n} new "
-          f"tokens, prompts left padded to {l}; jax {jax.__version__} on {jax.devices()[0].platform}, "
+          f"tokens ({b // g} prompts x {g}), prompts left padded to {l}; jax {jax.__version__} on {jax.devices()[0].platform}, "
           f"torch {torch.__version__} with {torch.get_num_threads()} threads")
 
-    times = interleaved({"ours": ours(m, params, mesh, tokens, mask, n),
-                         "transformers": theirs(model_dir, tokens, mask, n)}, args.repeats)
+    times = interleaved({"ours": ours(m, params, mesh, tokens, mask, n, g),
+                         "transformers": theirs(model_dir, tokens, mask, n, g)}, args.repeats)
     for name, sec in times.items():
         print(f"{name + ':':14s}{b * n / sec:9.0f} tokens/s  ({sec:.2f} s per batch, "
               f"{1e3 * sec / n:.1f} ms/step; median of {args.repeats})")
@@ -146,8 +152,11 @@ def main():
           f"(a mean {s:.0f} of {phases[-1][1]} slots read) "
           f"per step -> {1e3 * mem_step:.2f} ms at {bandwidth / 2**30:.1f} GiB/s measured "
           f"({mem_step / step:.0%} of the {1e3 * step:.1f} ms step)")
-    small = interleaved({"b8": ours(m, params, mesh, tokens[:8], mask[:8], n)}, args.repeats)["b8"] / n
-    print(f"per-step floor (batch 8): {1e3 * small:.2f} ms = {small / step:.0%} of the batch-{b} step")
+    rows = min(8, len(tokens))
+    small = interleaved({"few": ours(m, params, mesh, tokens[:rows], mask[:rows], n)},
+                        args.repeats)["few"] / n
+    print(f"per-step floor (batch {rows}): {1e3 * small:.2f} ms = {small / step:.0%} of the "
+          f"batch-{b} step")
 
 
 if __name__ == "__main__":
