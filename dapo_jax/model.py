@@ -273,8 +273,8 @@ class DecoderLayer(nn.Module):
 class Transformer(nn.Module):
     """Causal LM. `__call__(tokens_BxT, positions_BxT, attn_BxTxS, caches=None, cache_index=0)`
     returns `(logits_BxTxV in float32, new caches or None)`. `positions_BxT` may be given as their
-    `rope_tables`: a loop of decode steps computes them once (XLA:CPU would recompute the cos and sin
-    in every layer's fusions, each ~20 ns per element)."""
+    `rope_tables`: a loop of decode steps computes them once (XLA:CPU would recompute the cos and
+    sin in every layer's fusions, each ~20 ns per element)."""
 
     config: ModelConfig
 

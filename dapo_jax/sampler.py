@@ -5,13 +5,13 @@ runs the first L-1 prompt columns into per-layer KV caches (N = max new tokens; 
 slots are used), which are then repeated G times along the batch (row b = p*G + g, a group's rows
 contiguous). Decode step t (a `lax.while_loop` iteration) feeds one token per row at the shared slot
 L-1+t, the last prompt token when t = 0 and the token sampled at t-1 after, at position
-`prompt_len - 1 + t` of its own row (rotary tables of every position computed once, before the
-loop), and samples token t from the logits. A row reads cache slot s iff
-s holds a real prompt token or a token it fed, and s <= L-1+t. The loop stops after N tokens or when
-every row has ended (an id of `eos_ids`, which is kept and counted in the length). It runs in
-`decode_chunks` phases, each a `while_loop` whose caches hold only the slots filled by the phase's
-end, in whole key tiles (`decode_phases`; grown with empty slots between phases): attention reads
-the cache at every step, and early steps then read less of it.
+`prompt_len - 1 + t` of its own row (the rotary tables of every position are computed once, before
+the loop), and samples token t from the logits. A row reads cache slot s iff s holds a real prompt
+token or a token it fed, and s <= L-1+t. The loop stops after N tokens or when every row has ended
+(an id of `eos_ids`, which is kept and counted in the length). It runs in `decode_chunks` phases,
+each a `while_loop` whose caches hold only the slots filled by the phase's end, in whole key tiles
+(`decode_phases`; grown with empty slots between phases): attention reads the cache at every step,
+and early steps then read less of it.
 
 Log-probs. `logp_BxN` is log_softmax(logits / temperature) at the sampled token, before top-k /
 top-p truncation: the distribution the trainer recomputes from the same parameters with
@@ -200,7 +200,7 @@ def rollout(model: Transformer, config: SamplingConfig, n: int, params, prompt_P
     caches = constrain(jax.tree.map(repeat, caches))
     readable_BxS = repeat(jnp.pad(mask_PxL, ((0, 0), (0, phases[-1][1] - l)), constant_values=True))
     first_pos_B = repeat(mask_PxL.sum(-1, dtype=jnp.int32) - 1)
-    rope_1xP = rope_tables(jnp.arange(l + n_new)[None], model.config)  # every position a row reaches
+    rope_1xP = rope_tables(jnp.arange(l + n_new)[None], model.config)  # all positions rows reach
     row_keys_B = jax.vmap(jax.random.fold_in)(
         repeat(jax.vmap(jax.random.fold_in, (None, 0))(rng, uids_P)), jnp.tile(jnp.arange(n), p))
     u_BxN = 1.0 - jax.vmap(lambda key: jax.random.uniform(key, (n_new,)))(row_keys_B)  # (0, 1]

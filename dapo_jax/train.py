@@ -39,6 +39,11 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/FILE.py:VARIA
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory: checkpoints, metrics, export")
 _MULTIHOST = flags.DEFINE_bool("multihost", False, "call jax.distributed.initialize() first")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator", None, "with --multihost: process 0's host:port, where JAX does not detect the "
+    "cluster by itself (it does on TPU pods and SLURM)")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "with --coordinator: how many")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "with --coordinator: this one's, 0-based")
 
 
 def _rollout_arrays(batch: dict, group_size: int, normalize_std: bool, length_bucket: int) -> dict:
@@ -282,7 +287,8 @@ def main(argv):
     if not flags.FLAGS["verbosity"].present:  # orbax logs every save and restore at INFO
         logging.set_verbosity(logging.WARNING)
     if _MULTIHOST.value:
-        jax.distributed.initialize()
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices' collectives
+        jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     if _CONFIG.value is None or _WORKDIR.value is None:
         raise app.UsageError("--config and --workdir are required")
     try:

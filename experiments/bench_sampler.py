@@ -41,7 +41,7 @@ def ours(m, params, mesh, tokens, mask, new, group=1):
     cfg = sampler.SamplingConfig(max_new_tokens=new, eos_ids=(), pad_id=0,
                                  prompt_buckets=(tokens.shape[1],))
     s = sampler.Sampler(m, cfg, mesh)
-    out = jax.block_until_ready(s.generate(params, tokens, mask, group, jax.random.key(0)))  # compile
+    out = jax.block_until_ready(s.generate(params, tokens, mask, group, jax.random.key(0)))
     assert int(out["length"].min()) == new
 
     def run(seed):
@@ -56,8 +56,8 @@ def theirs(model_dir, tokens, mask, new, group=1):
     """A function that runs transformers `generate` once (warmed up here) and returns its seconds."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids, attn = torch.tensor(tokens, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
-    kw = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, eos_token_id=None, pad_token_id=0,
-              num_return_sequences=group)
+    kw = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, eos_token_id=None,
+              pad_token_id=0, num_return_sequences=group)
     with torch.inference_mode():
         hf.generate(input_ids=ids, attention_mask=attn, max_new_tokens=8, **kw)  # warm-up
 
@@ -124,7 +124,8 @@ def main():
     params = hf_io.load_params(model_dir, m, mesh)
     tokens, mask = prompts(b // g, l, cfg.vocab_size)
     print(f"model: Qwen2 {cfg.num_params() / 1e6:.2f}M params ({QWEN2_TINY}); batch {b} x {n} new "
-          f"tokens ({b // g} prompts x {g}), prompts left padded to {l}; jax {jax.__version__} on {jax.devices()[0].platform}, "
+          f"tokens ({b // g} prompts x {g}), prompts left padded to {l}; "
+          f"jax {jax.__version__} on {jax.devices()[0].platform}, "
           f"torch {torch.__version__} with {torch.get_num_threads()} threads")
 
     times = interleaved({"ours": ours(m, params, mesh, tokens, mask, n, g),

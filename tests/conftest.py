@@ -44,6 +44,9 @@ def llama_dir(tmp_path_factory):
     return build_hf_model("llama", str(tmp_path_factory.mktemp("llama")))
 
 
+# Metrics that measure time or count the reward workers' life, not the run's maths.
+WALL_CLOCK = ("timing/", "throughput/", "reward/")
+
 # A tiny DAPO config shrunk to test size; shapes divide the 8 fake devices.
 SMALL = {
     "train.steps": 1, "train.train_batch_prompts": 4, "train.mini_batch_prompts": 2,

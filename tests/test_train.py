@@ -12,12 +12,10 @@ import numpy as np
 import pytest
 
 from configs import dapo
-from conftest import small, small_flags
+from conftest import WALL_CLOCK, small, small_flags
 from dapo_jax import checkpoint, metrics, rollout, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Metrics that measure time or count the reward workers' life, not the run's maths.
-_WALL_CLOCK = ("timing/", "throughput/", "reward/")
 
 
 def _cli(workdir, *extra):
@@ -43,7 +41,7 @@ def _wait_for_step(proc, workdir, step, timeout=600):
 
 
 def _maths(records):
-    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(_WALL_CLOCK)}
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(WALL_CLOCK)}
             for r in records}
 
 
