@@ -92,15 +92,19 @@ def math_dapo_score(response_text: str, ground_truth: str) -> dict:
 
 
 def math_verify_score(response_text: str, ground_truth: str) -> dict:
-    """Second checker: the same extraction, equivalence by `math_verify.verify(parse(gt), parse(x))`.
+    """Second checker: the same extraction, equivalence by `math_verify.verify(parse(gt), parse(x))`
+    with both read as LaTeX math (math_verify finds no LaTeX outside `$...$`: a bare "\\sqrt{8}"
+    parses to nothing).
 
-    Accepts symbolic equivalents ("1/2" and "0.5") that string equality rejects.
+    Accepts symbolic equivalents ("1/2" and "0.5", "2\\sqrt{2}" and "\\sqrt{8}") that string
+    equality rejects.
     """
     math_verify = _import_math_verify()
     raw = extract_answer(response_text)
     if raw is None:
         return {"score": -1.0, "acc": False, "pred": INVALID}
-    acc = bool(math_verify.verify(math_verify.parse(ground_truth), math_verify.parse(raw)))
+    as_math = lambda text: math_verify.parse("$" + text.replace("$", "").strip() + "$")
+    acc = bool(math_verify.verify(as_math(ground_truth), as_math(raw)))
     return {"score": 1.0 if acc else -1.0, "acc": acc, "pred": normalize_answer(raw)}
 
 

@@ -1,4 +1,5 @@
-"""math_dapo reward on hand-written responses, the overlong penalty, and failure containment."""
+"""math_dapo and math_verify rewards on hand-written responses, the overlong penalty, and failure
+containment."""
 
 import logging
 import os
@@ -52,6 +53,38 @@ def test_registry_by_name():
     assert rewards.get_reward_fn("math_dapo") is rewards.math_dapo_score
     with pytest.raises(ValueError, match="math_dapo"):
         rewards.get_reward_fn("no_such_reward")
+
+
+# (response, ground truth, acc): symbolic equivalents that string equality rejects, and misses
+VERIFY_CASES = [
+    ("Answer: 0.5", "1/2", True),
+    ("Answer: \\frac{1}{2}", "0.5", True),
+    ("Answer: 2\\sqrt{2}", "\\sqrt{8}", True),
+    ("Answer: \\pi/2", "\\frac{\\pi}{2}", True),
+    ("Answer: $\\boxed{\\frac{3}{4}}$.", "0.75", True),
+    ("Answer: x = 7", "7", True),
+    ("Answer: 10 \\text{ cm}", "10", True),
+    ("Answer: 3/4", "0.7", False),
+    ("Answer: 2\\sqrt{3}", "\\sqrt{8}", False),
+    ("Answer: 41", "42", False),
+    ("Answer: $$", "42", False),
+]
+
+
+@pytest.mark.parametrize("response,ground_truth,acc", VERIFY_CASES)
+def test_math_verify_score(response, ground_truth, acc):
+    result = rewards.math_verify_score(response, ground_truth)
+    assert (result["score"], result["acc"]) == (1.0 if acc else -1.0, acc)
+    assert result["pred"] == rewards.math_dapo_score(response, ground_truth)["pred"]
+
+
+def test_math_verify_in_worker_processes():
+    responses = [r for r, _, _ in VERIFY_CASES] + ["the answer is 42"]
+    truths = [g for _, g, _ in VERIFY_CASES] + ["42"]
+    with rewards.RewardScorer(rewards.get_reward_fn("math_verify"), num_workers=2) as scorer:
+        results, stats = scorer.score_batch(responses, truths)
+    assert [r["acc"] for r in results] == [a for _, _, a in VERIFY_CASES] + [False]
+    assert results[-1]["pred"] == rewards.INVALID and stats == {"n_error": 0, "n_timeout": 0}
 
 
 def test_math_verify_missing_names_the_install(monkeypatch):
