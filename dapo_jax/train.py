@@ -86,15 +86,24 @@ def _data_metrics(batch: dict) -> dict:
             "data/truncated_fraction": float(batch["truncated"][v].mean())}
 
 
-def _logp_agreement(batch: dict, old_logp_BxT: np.ndarray, loss_mask_BxT: np.ndarray) -> dict:
+def _logp_agreement(batch: dict, old_logp_BxT: np.ndarray, loss_mask_BxT: np.ndarray,
+                    carried_rows: int) -> dict:
     """|log pi_sampler - log pi_old| over the trained response tokens: the importance ratio of the
-    first update is exactly 1 only if the sampler and the trainer agree (spec section 2)."""
+    first update is exactly 1 only if the sampler and the trainer agree (spec section 2). The
+    first `carried_rows` rows (groups carried over from the last step, sampled under the policy
+    before its update) are measured apart: their difference is the update's, not a mismatch."""
     prompt_len = batch["prompt_tokens"].shape[1]
-    mask = loss_mask_BxT[:, prompt_len:]
-    if not mask.any():
-        return {}
-    diff = np.abs(batch["logp"][:, :mask.shape[1]] - old_logp_BxT[:, prompt_len:])[mask]
-    return {"rollout/logp_diff_mean": float(diff.mean()), "rollout/logp_diff_max": float(diff.max())}
+    mask_BxN = loss_mask_BxT[:, prompt_len:]
+    diff_BxN = np.abs(batch["logp"][:, :mask_BxN.shape[1]] - old_logp_BxT[:, prompt_len:])
+    out = {}
+    fresh = diff_BxN[carried_rows:][mask_BxN[carried_rows:]]
+    if fresh.size:
+        out.update({"rollout/logp_diff_mean": float(fresh.mean()),
+                    "rollout/logp_diff_max": float(fresh.max())})
+    carried = diff_BxN[:carried_rows][mask_BxN[:carried_rows]]
+    if carried.size:
+        out["rollout/carried_logp_diff_mean"] = float(carried.mean())
+    return out
 
 
 class _Preemption:
@@ -172,7 +181,9 @@ def _step(run: Run, step: int) -> dict:
     updates = jax.device_get(updates)
     t_train = time.time() - t1
     out = {**_data_metrics(batch), **filter_stats,
-           **_logp_agreement(batch, sharding.to_host(old_logp_BxT), arrays["loss_mask"]),
+           **_logp_agreement(batch, sharding.to_host(old_logp_BxT), arrays["loss_mask"],
+                             filter_stats["dynamic_sampling/groups_carried_in"]
+                             * c.rollout.group_size),
            **{f"actor/{k}": float(np.mean([u[k] for u in updates])) for k in updates[0]}}
     out.update({
         "actor/skipped_updates": int(sum(u["skipped"] for u in updates)),

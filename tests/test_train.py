@@ -107,3 +107,21 @@ def test_nonfinite_updates_are_skipped_then_the_run_stops_with_a_checkpoint(tmp_
         [(1, 2, 0.0), (2, 2, 0.0)]
     assert all(r["actor/pg_loss"] == "nan" or math.isnan(float(r["actor/pg_loss"])) for r in records)
     assert checkpoint.Checkpointer(str(tmp_path)).latest_step() == 2  # the last good state
+
+
+def test_logp_agreement_measures_carried_groups_apart():
+    """Rows 0-1 (a carried group) were sampled before the last update; rows 2-3 now. Prompt
+    columns and masked response tokens never count."""
+    sampler_logp = np.array([[-1.0, -2.0, -3.0], [-1.0, -1.0, 0.0],
+                             [-0.5, -0.25, -9.0], [-2.0, 0.0, 0.0]])
+    old_logp = np.concatenate([np.full((4, 2), 7.0), sampler_logp + np.array(
+        [[0.5, 0.5, 0.5], [0.5, 0.5, 0.5], [0.01, -0.03, 5.0], [0.02, 5.0, 5.0]])], axis=1)
+    loss_mask = np.concatenate([np.zeros((4, 2), bool), np.array(  # the prompt, the response
+        [[1, 1, 1], [1, 1, 0], [1, 1, 0], [1, 0, 0]], bool)], axis=1)
+    batch = {"prompt_tokens": np.zeros((4, 2), np.int32), "logp": sampler_logp}
+    got = train._logp_agreement(batch, old_logp, loss_mask, carried_rows=2)
+    assert got == pytest.approx({"rollout/logp_diff_mean": 0.02, "rollout/logp_diff_max": 0.03,
+                                 "rollout/carried_logp_diff_mean": 0.5})
+    fresh_only = train._logp_agreement(batch, old_logp, loss_mask, carried_rows=0)
+    assert fresh_only["rollout/logp_diff_max"] == pytest.approx(0.5)
+    assert "rollout/carried_logp_diff_mean" not in fresh_only
