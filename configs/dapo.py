@@ -25,7 +25,8 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
     c.model = dict(path="/ckpt/Qwen2.5-32B", tokenizer_path="", dtype="bfloat16",
-                   param_dtype="float32", remat=True)
+                   param_dtype="float32", remat=True,
+                   attention_chunk=1024)  # a layer's scores at 20k tokens: 1024 x 20k, not 20k^2
     c.reference = dict(path="")  # β = 0: no reference model is loaded or run
     c.mesh = dict(data=1, fsdp=-1, tensor=8)  # e.g. v5p-512: 256 chips = fsdp 32 x tensor 8
     c.data = dict(
@@ -77,7 +78,7 @@ def tiny() -> ml_collections.ConfigDict:
     """CPU scale: the shipped tiny base model on the shipped synthetic task, a few minutes."""
     c = qwen2_5_32b()
     c.model = dict(path=common.TINY_MODEL, tokenizer_path="", dtype="float32",
-                   param_dtype="float32", remat=False)
+                   param_dtype="float32", remat=False, attention_chunk=0)
     c.mesh = dict(data=-1, fsdp=1, tensor=1)
     c.data = dict(
         train_files=(common.SYNTHETIC_TRAIN,),

@@ -42,7 +42,7 @@ def read_hf_config(model_dir: str) -> dict:
 
 
 def config_from_hf(hf: Mapping, *, dtype="bfloat16", param_dtype="float32", remat=False,
-                   source="config.json") -> ModelConfig:
+                   attention_chunk=0, source="config.json") -> ModelConfig:
     """ModelConfig from a Qwen2/Qwen2.5 or Llama config.json (transformers 4 or 5 layout)."""
     archs = hf.get("architectures") or []
     if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
@@ -82,6 +82,7 @@ def config_from_hf(hf: Mapping, *, dtype="bfloat16", param_dtype="float32", rema
         dtype=dtype,
         param_dtype=param_dtype,
         remat=remat,
+        attention_chunk=attention_chunk,
     )
 
 

@@ -45,6 +45,7 @@ class ModelConfig:
     dtype: str = "bfloat16"  # compute dtype
     param_dtype: str = "float32"
     remat: bool = False  # rematerialise each decoder layer in the backward pass
+    attention_chunk: int = 0  # queries per block of multi-token attention (0: all at once)
 
     @property
     def compute_dtype(self):
@@ -172,6 +173,25 @@ def grouped_attention(q_BxTxKxGxH, keys, v_BxKxSxH, attn_BxTxS, dtype):
     return jnp.einsum("bkgts,bksh->btkgh", probs_BxKxGxTxS, v_BxKxSxH)
 
 
+def chunked_attention(q_BxTxKxGxH, keys, v_BxKxSxH, attn_BxTxS, dtype, chunk: int):
+    """`grouped_attention` over blocks of `chunk` queries (one block when T <= chunk or chunk = 0),
+    each rematerialised in the backward pass: one block's B x K x G x chunk x S scores are alive at
+    a time, not all T rows of them (a layer's f32 scores at T = S = 20k are ~64 GB per sequence
+    for Qwen2.5-32B)."""
+    b, t, k, g, h = q_BxTxKxGxH.shape
+    if not chunk or t <= chunk:
+        return grouped_attention(q_BxTxKxGxH, keys, v_BxKxSxH, attn_BxTxS, dtype)
+    n = -(-t // chunk)
+    pad = ((0, 0), (0, n * chunk - t))  # padded queries read no key; their rows are dropped
+    q_NxBxCxKxGxH = jnp.pad(q_BxTxKxGxH, pad + ((0, 0),) * 3).reshape(
+        b, n, chunk, k, g, h).swapaxes(0, 1)
+    attn_NxBxCxS = jnp.pad(attn_BxTxS, pad + ((0, 0),)).reshape(b, n, chunk, -1).swapaxes(0, 1)
+    block = jax.checkpoint(
+        lambda q_attn: grouped_attention(q_attn[0], keys, v_BxKxSxH, q_attn[1], dtype))
+    out_NxBxCxKxGxH = jax.lax.map(block, (q_NxBxCxKxGxH, attn_NxBxCxS))
+    return out_NxBxCxKxGxH.swapaxes(0, 1).reshape(b, n * chunk, k, g, h)[:, :t]
+
+
 def _dense(config, features, axes, use_bias, name):
     return nn.Dense(
         features,
@@ -234,7 +254,8 @@ class Attention(nn.Module):
         else:
             keys, v_BxKxSxH = kT_BxKxHxT, v_BxKxTxH
         q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, k, n // k, h)
-        out = grouped_attention(q_BxTxKxGxH, keys, v_BxKxSxH, attn_BxTxS, c.compute_dtype)
+        out = chunked_attention(q_BxTxKxGxH, keys, v_BxKxSxH, attn_BxTxS, c.compute_dtype,
+                                c.attention_chunk)
         out = out.reshape(b, t, n * h)
         out = nn.with_logical_constraint(out, ("batch", "length", "heads"))
         return _dense(c, c.hidden_size, ("heads", "embed"), False, "o_proj")(out), cache

@@ -48,6 +48,9 @@ def check_config(c: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"reward.fn {c.reward.fn!r} is not one of {sorted(rewards.REWARD_FNS)}")
     if c.filter.on_exhausted not in ("mask", "raise"):
         raise ConfigError(f"filter.on_exhausted must be 'mask' or 'raise', got {c.filter.on_exhausted!r}")
+    if c.model.attention_chunk < 0:
+        raise ConfigError(f"model.attention_chunk must be >= 0 (0: one block), got "
+                          f"{c.model.attention_chunk}")
     t, g = c.train, c.rollout.group_size
     if t.train_batch_prompts % t.mini_batch_prompts:
         raise ConfigError(f"train.train_batch_prompts {t.train_batch_prompts} is not a multiple "
@@ -131,7 +134,8 @@ def build(c: ml_collections.ConfigDict, workdir: str) -> Run:
     mesh = sharding.make_mesh(c.mesh)
     hf_config = hf_io.read_hf_config(c.model.path)
     mcfg = hf_io.config_from_hf(hf_config, dtype=c.model.dtype, param_dtype=c.model.param_dtype,
-                                remat=c.model.remat, source=os.path.join(c.model.path, "config.json"))
+                                remat=c.model.remat, attention_chunk=c.model.attention_chunk,
+                                source=os.path.join(c.model.path, "config.json"))
     m = model.Transformer(mcfg)
     tokenizer = hf_io.load_tokenizer(c.model.tokenizer_path or c.model.path)
     eos = tuple(sorted({tokenizer.eos_token_id, *_ids(hf_config.get("eos_token_id"))}))
