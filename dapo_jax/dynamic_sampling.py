@@ -28,7 +28,8 @@ class DynamicSampler:
     generate_fn() -> dict of numpy arrays, leading dim n_prompts*G, including "acc" (bool).
     Every other key (tokens, scores, lengths, ...) is carried through untouched, sliced by whole
     groups. `next_batch()` returns (batch, stats): the batch has leading dim B*G and an added
-    bool key "valid" per row. filter_groups=False is the GRPO baseline: groups are taken as
+    bool key "valid" per row; groups carried over from the last call come first (stats
+    "dynamic_sampling/groups_carried_in" of them), then this call's in generation order. filter_groups=False is the GRPO baseline: groups are taken as
     they come, all-equal ones included.
     """
 
