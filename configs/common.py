@@ -40,9 +40,10 @@ def dapo_reward(overlong_buffer: int) -> ml_collections.ConfigDict:
 def dynamic_sampling(gen_batch_prompts: int, max_num_gen_batches: int) -> ml_collections.ConfigDict:
     """The host-side filter of spec section 5."""
     return ml_collections.ConfigDict(dict(
-        enable=True,             # keep only groups whose acc is not all-equal
+        enable=True,             # keep only groups whose metric is not all-equal
+        metric="acc",            # acc (the recipe's DAPO script), score or reward
         gen_batch_prompts=gen_batch_prompts,
-        max_num_gen_batches=max_num_gen_batches,  # bound on generation batches per step
+        max_num_gen_batches=max_num_gen_batches,  # bound on generation batches per step (0: none)
         carry_over=False,        # recipe: discard kept groups beyond the train batch
         on_exhausted="mask",     # bound hit: train on what was kept ("raise" = the recipe)
     ))

@@ -48,7 +48,10 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
     c.reward = common.dapo_reward(overlong_buffer=4096)
     c.filter = common.dynamic_sampling(gen_batch_prompts=1536, max_num_gen_batches=10)
     c.loss = common.dapo_loss()
-    c.optim = dict(lr=1e-6, warmup_steps=10, schedule="constant", weight_decay=0.1,
+    # Warm-up over 20 rollout steps (the paper); the recipe's script sets 10 and its scheduler
+    # steps once per rollout step, the first at lr 0. Here lr rises linearly over the
+    # 20 x 16 updates, the first of them already at lr / 320 (dapo_jax.run.learning_rate_schedule).
+    c.optim = dict(lr=1e-6, warmup_rollout_steps=20, schedule="constant", weight_decay=0.1,
                    grad_clip=1.0, b1=0.9, b2=0.999)
     c.train = dict(
         steps=500,
@@ -95,7 +98,7 @@ def tiny() -> ml_collections.ConfigDict:
     c.filter = common.dynamic_sampling(gen_batch_prompts=64, max_num_gen_batches=4)
     # lr: 3e-5 gained less and 1e-4 lost accuracy on this sharp SFT'd model (Adam's early
     # updates move every weight by about lr, signal or noise).
-    c.optim = dict(lr=1e-5, warmup_steps=3, schedule="constant", weight_decay=0.1,
+    c.optim = dict(lr=1e-5, warmup_rollout_steps=2, schedule="constant", weight_decay=0.1,
                    grad_clip=1.0, b1=0.9, b2=0.999)
     c.train = dict(steps=20, train_batch_prompts=32, mini_batch_prompts=16,
                    micro_batch_size=128, length_bucket=16, max_consecutive_nonfinite=5)

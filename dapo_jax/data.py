@@ -10,11 +10,15 @@ Rows follow spec section 7: `prompt` (list of {role, content}), `reward_model.gr
   3. takes the problem from the last message, prompt[-1]["content"] (earlier messages, none in
      DAPO's files, are dropped). DAPO's files already hold the spec-section-6 template around
      the problem; when the content is wrapped in exactly that template it is unwrapped first, so
-     the configured `template` is applied once, whichever it is;
+     the configured `template` is applied once, whichever it is. Content that quotes the
+     template's instructions without being wrapped in it exactly (a character differs) is kept
+     as it is, so it ends up wrapped twice: such rows are counted (`n_template_mismatch`) and
+     logged;
   4. deduplicates on the problem text, keeping the first row (switch `dedup`): the published
      DAPO-Math-17k repeats each of ~17.4k prompts ~100 times, which would otherwise weight the
-     prompt order and epoch counts by the copies. Evaluation files with deliberate copies
-     (AIME: 30 problems x 32) load with dedup=False; copies share a `problem_id`;
+     prompt order and epoch counts by the copies. Without dedup, copies share a `problem_id`.
+     Evaluation files always load deduplicated (`run.build`): AIME 2024's 30 problems x 32
+     copies become 30 problems, each sampled `eval.samples` (32) times for avg@32;
   5. puts the problem into `template` ("{problem}" marks where), then through the tokenizer's
      chat template as one user message when it has one and `use_chat_template` is set, else
      uses the plain text; tokenises (special tokens added only for plain text: a chat template
@@ -49,6 +53,7 @@ class PromptSet:
     n_malformed: int   # rows skipped as malformed
     n_duplicates: int  # rows dropped by deduplication
     n_truncated: int   # prompts cut from the left to max_prompt_len
+    n_template_mismatch: int  # rows quoting DEFAULT_TEMPLATE's instructions, not wrapped in it
 
 
 class _Malformed(ValueError):
@@ -96,6 +101,17 @@ def _problem_and_answer(row) -> tuple[str, str]:
     return unwrap_default_template(content), answer
 
 
+# Sentences of DEFAULT_TEMPLATE that a problem of its own would not contain.
+_TEMPLATE_MARKERS = ("The last line of your response should be of the form Answer:",
+                     "Remember to put your answer on its own line after")
+
+
+def quotes_default_template(content: str) -> bool:
+    """Whether `content` holds DEFAULT_TEMPLATE's instructions without being wrapped in it."""
+    return (unwrap_default_template(content) == content
+            and any(marker in content for marker in _TEMPLATE_MARKERS))
+
+
 def unwrap_default_template(content: str) -> str:
     """The problem inside `DEFAULT_TEMPLATE`, or `content` itself when not wrapped in it."""
     head, tail = DEFAULT_TEMPLATE.split("{problem}")
@@ -126,7 +142,7 @@ def load_prompts(path: str, tokenizer, max_prompt_len: int, *, template: str = D
     if use_chat_template and not chat:
         logging.warning("the tokenizer has no chat template: prompts are plain templated text")
     kept, problem_ids = [], {}
-    n_rows = n_malformed = n_duplicates = 0
+    n_rows = n_malformed = n_duplicates = n_mismatch = 0
     for index, row in enumerate(_read_rows(path)):
         n_rows += 1
         try:
@@ -139,6 +155,12 @@ def load_prompts(path: str, tokenizer, max_prompt_len: int, *, template: str = D
         if problem in problem_ids and dedup:
             n_duplicates += 1
             continue
+        if quotes_default_template(problem):
+            n_mismatch += 1
+            if n_mismatch <= max_warnings:
+                logging.warning("%s: row %d quotes the DAPO prompt template but is not wrapped in "
+                                "it exactly; it keeps its wording and gets the configured template "
+                                "around it", path, index)
         problem_id = problem_ids.setdefault(problem, len(problem_ids))
         data_source = row.get("data_source")
         kept.append({"prompt_text": format_prompt(problem, tokenizer, template, chat),
@@ -146,6 +168,9 @@ def load_prompts(path: str, tokenizer, max_prompt_len: int, *, template: str = D
                      "data_source": data_source if isinstance(data_source, str) else ""})
     if n_malformed:
         logging.warning("%s: skipped %d malformed rows of %d", path, n_malformed, n_rows)
+    if n_mismatch:
+        logging.warning("%s: %d rows quote the DAPO prompt template without being wrapped in it",
+                        path, n_mismatch)
     if not kept:
         raise ValueError(f"{path}: no usable rows ({n_rows} rows, {n_malformed} malformed)")
     encoded = tokenizer([ex["prompt_text"] for ex in kept], add_special_tokens=not chat)
@@ -153,7 +178,7 @@ def load_prompts(path: str, tokenizer, max_prompt_len: int, *, template: str = D
     for example, ids in zip(kept, encoded["input_ids"]):
         n_truncated += len(ids) > max_prompt_len
         example["prompt_ids"] = list(ids[-max_prompt_len:])
-    return PromptSet(kept, n_rows, n_malformed, n_duplicates, n_truncated)
+    return PromptSet(kept, n_rows, n_malformed, n_duplicates, n_truncated, n_mismatch)
 
 
 class PromptIterator:

@@ -19,8 +19,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 _LOG_RATIO_LIMIT = 20.0  # |log r| is clamped here (as verl) so that exp(log r) cannot overflow
+_K3_LIMIT = 10.0  # the k3 term is clamped to [-10, 10] (the recipe's low_var_kl)
 
 
 def group_advantages(rewards_B, group_size: int, normalize_std: bool = True) -> jax.Array:
@@ -60,15 +61,17 @@ def token_logp_and_entropy(logits_BxTxV, targets_BxT, temperature: float):
 
 
 def k3_kl(logp_BxT, ref_logp_BxT) -> jax.Array:
-    """k3 estimator of KL(pi_theta || pi_ref) per token: exp(ref - logp) - (ref - logp) - 1 >= 0."""
+    """k3 estimator of KL(pi_theta || pi_ref) per token: exp(ref - logp) - (ref - logp) - 1 >= 0,
+    clamped to [-10, 10] as the recipe's `low_var_kl` (a token beyond 10 then gives no gradient;
+    only a run with β > 0 or a reference model computes it)."""
     d_BxT = ref_logp_BxT - logp_BxT
-    return jnp.exp(d_BxT) - d_BxT - 1.0
+    return jnp.clip(jnp.exp(d_BxT) - d_BxT - 1.0, -_K3_LIMIT, _K3_LIMIT)
 
 
 class Denominators(NamedTuple):
     """Denominators of one whole optimizer mini-batch (all micro-batches, all shards)."""
 
-    loss: jax.Array  # token-mean: sum m; seq-mean-token-mean: n_seqs; sum-norm: n_seqs * L_const
+    loss: jax.Array  # token-mean: sum m; seq-mean-*: n_seqs; sum-norm: n_seqs * L_const
     tokens: jax.Array  # sum m, the denominator of every token-mean metric
 
 
@@ -90,7 +93,7 @@ def denominators(mask_BxT, agg_mode: str, norm_const: float | None = None) -> De
     n_seqs = jnp.sum(jnp.sum(m_BxT, axis=-1) > 0).astype(jnp.float32)
     if agg_mode == "token-mean":
         loss = tokens
-    elif agg_mode == "seq-mean-token-mean":
+    elif agg_mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
         loss = n_seqs
     elif norm_const is None or norm_const <= 0:
         raise ValueError("agg_mode 'seq-mean-token-sum-norm' needs norm_const = L_const > 0 "
@@ -109,7 +112,7 @@ def policy_loss_sum(logp_BxT, old_logp_BxT, adv_B, mask_BxT, denom: Denominators
         L1 = -A_i r_{i,t};  L2 = -A_i clip(r_{i,t}, 1 - ε_low, 1 + ε_high);  Lc = max(L1, L2)
         l_pg = min(Lc, -A_i c) where A_i < 0 and c is set (dual clip), else Lc
         l = l_pg + β KL_k3(pi_theta || pi_ref) - entropy_coef H
-    Aggregated with weights w_{i,t} = m_{i,t} (token-mean, seq-mean-token-sum-norm) or
+    Aggregated with weights w_{i,t} = m_{i,t} (token-mean, seq-mean-token-sum[-norm]) or
     m_{i,t} / sum_t m_{i,t} (seq-mean-token-mean):  loss = sum_{i,t} w l / denom.loss.
 
     Zero-gradient tokens: upper clip (A > 0, r > 1 + ε_high), lower clip (A < 0, r < 1 - ε_low),
@@ -178,8 +181,9 @@ def policy_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, *, eps_low: float = 0.2
     """The loss of one whole mini-batch: `policy_loss_sum` over its own `denominators`.
 
     `agg_mode` (section 3):  token-mean: sum_{i,t} l m / sum_{i,t} m;
-    seq-mean-token-mean: mean_i (sum_t l m / sum_t m);  seq-mean-token-sum-norm:
-    sum_{i,t} l m / (n_seqs L_const) with L_const = `norm_const`. Returns `(loss, metrics)`.
+    seq-mean-token-mean: mean_i (sum_t l m / sum_t m);  seq-mean-token-sum (the recipe's):
+    mean_i sum_t l m;  seq-mean-token-sum-norm: sum_{i,t} l m / (n_seqs L_const) with
+    L_const = `norm_const`. The means over i count rows with a loss token. Returns `(loss, metrics)`.
     """
     denom = denominators(mask_BxT, agg_mode, norm_const)
     return policy_loss_sum(logp_BxT, old_logp_BxT, adv_B, mask_BxT, denom, eps_low=eps_low,

@@ -1,10 +1,14 @@
-"""Rule-based rewards (DAPO spec sections 4 and 6). Host code on strings and numpy; no jax.
+r"""Rule-based rewards (DAPO spec sections 4 and 6). Host code on strings and numpy; no jax.
 
 Score of one response o_i against its ground truth:
-  math_dapo:   the last 300 characters of o_i, the last match of `(?i)Answer\\s*:\\s*([^\\n]+)`,
-               prediction and ground truth normalised Minerva-style (`normalize_answer`);
-               score_i = +1.0 if equal else -1.0, acc_i = that bool, pred_i = the normalised answer.
-  math_verify: the same extraction, equivalence decided by the optional `math-verify` package.
+  math_dapo:   the DAPO recipe's scorer, rule for rule (verl `verl/utils/reward_score/math_dapo.py`
+               at the reproduction commit 4f80e465, the one behind AIME 2024 avg@32 = 50): the last
+               300 characters of o_i, the last match of `(?i)Answer\s*:\s*([^\n]+)` there ("[INVALID]"
+               when there is none), prediction and ground truth through `normalize_final_answer`;
+               score_i = +1.0 if the two strings are equal else -1.0, acc_i = that bool,
+               pred_i = the normalised prediction. Held-out numbers (eval/*) use it too.
+  math_verify: the same extraction, equivalence decided by the optional `math-verify` package
+               (symbolic: "1/2" equals "0.5"); not the paper's scorer, an option.
 
 R_i = score_i + overlong_penalty(|o_i|) (soft overlong punishment, section 4).
 `RewardScorer` runs a reward fn in worker processes with a per-call timeout: a fn that raises or
@@ -25,69 +29,77 @@ INVALID = "[INVALID]"  # no "Answer:" line in the last 300 characters
 ERROR = "[ERROR]"      # the reward fn raised, returned garbage, or killed its worker
 TIMEOUT = "[TIMEOUT]"  # the reward fn ran past its time limit
 
-TAIL_CHARS = 300
+TAIL_CHARS = 300  # the recipe's window: "the longest answer in MATH-500 has 159 characters"
 _ANSWER_RE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
 
-# Units and filler words, dropped as whole words (so "ft" never eats "\left").
-_UNIT_WORDS = (
-    "degrees", "degree", "cm", "mm", "km", "meters", "meter", "inches", "inch", "feet", "foot",
-    "ft", "miles", "mile", "mph", "dollars", "dollar", "cents", "cent", "pounds", "pound", "hours",
-    "hour", "minutes", "minute", "seconds", "days", "units", "square", "sq", "points", "ways",
-    "integers", "digits", "students", "edges", "meals", "gm", "kg",
+# The recipe's normalisation (Minerva's, from lm-evaluation-harness's hendrycks_math), as data.
+# Each entry is a plain replacement of every occurrence, applied in this order; the order is part
+# of the rule: "an " and "a " go before the spaces do (so "a 12" is "12" but "12 a" is "12a"),
+# "mbox" becomes "text" before the "\text{...}" rules, and "\text{m}" (metres) becomes "\text{}"
+# before "\text{}" is deleted. Words are deleted wherever they occur, even inside other words.
+_REPLACEMENTS = (
+    ("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""), ("mbox", "text"),
+    (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"),
 )
-_UNIT_RE = re.compile(r"(?<![A-Za-z\\])(?:%s)(?![A-Za-z])" % "|".join(_UNIT_WORDS), re.IGNORECASE)
-# Markup that carries no value: degree and percent signs, dollars, LaTeX spacing, ellipses, quotes.
-_DROPPED_MARKUP = ("^{\\circ}", "^\\circ", "\\%", "%", "\\$", "$", "\\,", "\\!", "\\;", "\\:",
-                   "\\ ", "\\ldots", "\\dots", '"')
-_UNWRAPPED_COMMANDS = ("boxed", "fbox", "text", "textbf", "mbox", "mathrm")
-_THOUSANDS_RE = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+_DELETIONS = (
+    "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots",
+    "sue", "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds",
+    "meters", "meals", "edges", "students", "childrentickets", "multiples", "\\text{s}",
+    "\\text{.}", "\\text{\ns}", "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}",
+    "\\mathrm{th}", "^\\circ", "^{\\circ}", "\\;", ",\\!", "{,}", '"', "\\dots",
+)
+# Regex rewrites, in order (`.` stops at a newline, as in the recipe):
+_FIRST_INLINE_MATH = re.compile(r".*?\$(.*?)\$.*")      # a line with $..$ keeps its first $..$
+_UNWRAPPED = tuple(re.compile(r"\\%s\{(.*?)\}" % command)  # \text{X}, \textbf{X}, \overline{X}
+                   for command in ("text", "textbf", "overline"))
+_BOXED = re.compile(r"\\boxed\{(.*)\}")                 # first "\boxed{" to the line's last "}"
+_FRAC_SHORTHAND = re.compile(r"frac([^{])(.)")           # \frac12 -> \frac{1}{2}
+_SQRT_SHORTHAND = re.compile(r"sqrt([^{])")              # \sqrt2 -> \sqrt{2}
 
 
-def _unwrap(text: str, command: str) -> str:
-    """Replaces every `\\command{X}` by X, matching braces (nested wrappers allowed)."""
-    head = "\\" + command + "{"
-    while (start := text.find(head)) >= 0:
-        depth, end = 1, start + len(head)
-        while end < len(text) and depth:
-            depth += {"{": 1, "}": -1}.get(text[end], 0)
-            end += 1
-        inner_end = end - 1 if depth == 0 else end
-        text = text[:start] + text[start + len(head):inner_end] + text[end:]
-    return text
+def normalize_final_answer(answer: str) -> str:
+    r"""The DAPO recipe's normal form of a final answer (its `normalize_final_answer`).
 
-
-def normalize_answer(answer: str) -> str:
-    """Minerva-style normalisation of a final answer (spec section 6).
-
-    Keeps what follows the last "="; unwraps \\boxed{}, \\text{} and similar; drops unit words,
-    degree and percent signs, `$`, LaTeX spacing, then all whitespace; strips a trailing period;
-    removes thousands commas from a pure number ("1,000" -> "1000", but the list "1,2" stays).
+    1. keep what follows the last "=";
+    2. `_REPLACEMENTS` (every space goes: "1 000" is "1000"), then `_DELETIONS`;
+    3. a line holding "$...$" is reduced to its first such span; then \text{X}, \textbf{X},
+       \overline{X} become X (the shortest braces), \boxed{X} becomes X (up to the last brace);
+    4. the shorthands \fracab -> \frac{a}{b} and \sqrta -> \sqrt{a}; every "$" is dropped;
+    5. when nothing but digits and commas is left, the commas go ("1,000" -> "1000", and so does
+       "1,2" -> "12"; "-1,000" keeps its comma); surrounding whitespace is stripped.
+    Nothing else: "41." and "50%" stay as they are, and "\frac{1}{2}" is not "0.5".
     """
     text = answer.split("=")[-1]
-    for command in _UNWRAPPED_COMMANDS:
-        text = _unwrap(text, command)
-    for markup in _DROPPED_MARKUP:
-        text = text.replace(markup, "")
-    text = _UNIT_RE.sub("", text)
-    text = re.sub(r"\s+", "", text).rstrip(".")
-    if _THOUSANDS_RE.fullmatch(text):
+    for old, new in _REPLACEMENTS:
+        text = text.replace(old, new)
+    for word in _DELETIONS:
+        text = text.replace(word, "")
+    text = _FIRST_INLINE_MATH.sub(r"$\1$", text)
+    for wrapper in _UNWRAPPED:
+        text = wrapper.sub(r"\1", text)
+    text = _BOXED.sub(r"\1", text)
+    text = _FRAC_SHORTHAND.sub(r"frac{\1}{\2}", text)
+    text = _SQRT_SHORTHAND.sub(r"sqrt{\1}", text).replace("$", "")
+    if text.replace(",", "").isdigit():
         text = text.replace(",", "")
-    return text
+    return text.strip()
 
 
-def extract_answer(response_text: str) -> str | None:
-    """The raw text after the last "Answer:" within the last TAIL_CHARS characters, or None."""
+def extract_answer(response_text: str) -> str:
+    """The text after the last "Answer:" within the last TAIL_CHARS characters, or INVALID."""
     matches = _ANSWER_RE.findall(response_text[-TAIL_CHARS:])
-    return matches[-1] if matches else None
+    return matches[-1] if matches else INVALID
 
 
 def math_dapo_score(response_text: str, ground_truth: str) -> dict:
-    """DAPO's math reward: {"score": ±1.0, "acc": bool, "pred": normalised answer or INVALID}."""
-    raw = extract_answer(response_text)
-    if raw is None:
-        return {"score": -1.0, "acc": False, "pred": INVALID}
-    pred = normalize_answer(raw)
-    acc = bool(pred) and pred == normalize_answer(ground_truth)
+    """DAPO's math reward: {"score": ±1.0, "acc": bool, "pred": normalised answer}.
+
+    As the recipe: a response without an "Answer:" line has pred INVALID (which no real ground
+    truth equals), and an empty prediction equals an empty ground truth (data loading refuses
+    rows without a ground truth).
+    """
+    pred = normalize_final_answer(extract_answer(response_text))
+    acc = pred == normalize_final_answer(ground_truth)
     return {"score": 1.0 if acc else -1.0, "acc": acc, "pred": pred}
 
 
@@ -101,11 +113,11 @@ def math_verify_score(response_text: str, ground_truth: str) -> dict:
     """
     math_verify = _import_math_verify()
     raw = extract_answer(response_text)
-    if raw is None:
+    if raw == INVALID:
         return {"score": -1.0, "acc": False, "pred": INVALID}
     as_math = lambda text: math_verify.parse("$" + text.replace("$", "").strip() + "$")
     acc = bool(math_verify.verify(as_math(ground_truth), as_math(raw)))
-    return {"score": 1.0 if acc else -1.0, "acc": acc, "pred": normalize_answer(raw)}
+    return {"score": 1.0 if acc else -1.0, "acc": acc, "pred": normalize_final_answer(raw)}
 
 
 def _import_math_verify():

@@ -46,6 +46,15 @@ def check_config(c: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"loss.agg_mode {c.loss.agg_mode!r} is not one of {objective.AGG_MODES}")
     if c.reward.fn not in rewards.REWARD_FNS:
         raise ConfigError(f"reward.fn {c.reward.fn!r} is not one of {sorted(rewards.REWARD_FNS)}")
+    if c.filter.metric not in dynamic_sampling.FILTER_METRICS:
+        raise ConfigError(f"filter.metric {c.filter.metric!r} is not one of "
+                          f"{dynamic_sampling.FILTER_METRICS}")
+    if c.filter.max_num_gen_batches < 0:
+        raise ConfigError(f"filter.max_num_gen_batches must be >= 0 (0: no bound), got "
+                          f"{c.filter.max_num_gen_batches}")
+    if c.optim.warmup_rollout_steps < 0:
+        raise ConfigError(f"optim.warmup_rollout_steps must be >= 0, got "
+                          f"{c.optim.warmup_rollout_steps}")
     if c.filter.on_exhausted not in ("mask", "raise"):
         raise ConfigError(f"filter.on_exhausted must be 'mask' or 'raise', got {c.filter.on_exhausted!r}")
     if c.model.attention_chunk < 0:
@@ -112,15 +121,29 @@ class Run:
                                                                  self.mesh))
 
 
+def learning_rate_schedule(c: ml_collections.ConfigDict):
+    """lr as a function of the optimizer update, from the config's rollout-step counts.
+
+    The one place where rollout steps become updates: k = train_batch_prompts /
+    mini_batch_prompts updates a rollout step, so the warm-up lasts warmup_rollout_steps x k
+    updates (update 0 already at lr / (warmup_rollout_steps x k), the peak reached by the last
+    update of rollout step warmup_rollout_steps - 1) and a cosine ends after steps x k.
+    """
+    updates_per_step = c.train.train_batch_prompts // c.train.mini_batch_prompts
+    return train_step.learning_rate_schedule(
+        c.optim.lr, c.optim.warmup_rollout_steps * updates_per_step, c.optim.schedule,
+        c.train.steps * updates_per_step)
+
+
 def _load_prompts(files, tokenizer, c, dedup):
     examples = []
     for f in files:
         loaded = data.load_prompts(f, tokenizer, c.data.max_prompt_len,
                                    template=c.data.prompt_template,
                                    use_chat_template=c.data.use_chat_template, dedup=dedup)
-        logging.info("%s: %d prompts (%d malformed, %d duplicates, %d truncated)", f,
-                     len(loaded.examples), loaded.n_malformed, loaded.n_duplicates,
-                     loaded.n_truncated)
+        logging.info("%s: %d prompts (%d malformed, %d duplicates, %d truncated, %d quoting the "
+                     "prompt template)", f, len(loaded.examples), loaded.n_malformed,
+                     loaded.n_duplicates, loaded.n_truncated, loaded.n_template_mismatch)
         examples += loaded.examples
     return examples
 
@@ -146,9 +169,7 @@ def build(c: ml_collections.ConfigDict, workdir: str) -> Run:
                                         **sampling), mesh)
     eval_sampler = Sampler(m, SamplingConfig(temperature=c.eval.temperature, top_p=c.eval.top_p,
                                              **sampling), mesh)
-    updates_per_step = c.train.train_batch_prompts // c.train.mini_batch_prompts
-    schedule = train_step.learning_rate_schedule(c.optim.lr, c.optim.warmup_steps,
-                                                 c.optim.schedule, c.train.steps * updates_per_step)
+    schedule = learning_rate_schedule(c)
     optimizer = train_step.make_optimizer(schedule, weight_decay=c.optim.weight_decay,
                                           max_grad_norm=c.optim.grad_clip, b1=c.optim.b1,
                                           b2=c.optim.b2)
@@ -177,7 +198,7 @@ def build(c: ml_collections.ConfigDict, workdir: str) -> Run:
               eval_sampler, scorer, shaping, train_prompts, eval_examples)
     run.filter = dynamic_sampling.DynamicSampler(
         run.generation_batch, c.train.train_batch_prompts, g, c.filter.max_num_gen_batches,
-        filter_groups=c.filter.enable, carry_over=c.filter.carry_over,
+        filter_groups=c.filter.enable, metric=c.filter.metric, carry_over=c.filter.carry_over,
         on_exhausted=c.filter.on_exhausted)
     if c.loss.beta > 0:
         run.ref_params = hf_io.load_params(c.reference.path, m, mesh)

@@ -68,20 +68,23 @@ class Batch(NamedTuple):
     ref_logp_BxT: jax.Array | None  # log pi_ref(o_{i,t}); None exactly when β = 0
 
 
-def learning_rate_schedule(peak: float, warmup_steps: int, kind: str,
-                           total_steps: int | None = None, final_ratio: float = 0.0):
-    """lr(s) for update s = 0, 1, ...: linear warm-up peak * (s + 1) / warmup_steps (so update 0
-    already learns), then constant (DAPO) or cosine down to final_ratio * peak at total_steps."""
+def learning_rate_schedule(peak: float, warmup_updates: int, kind: str,
+                           total_updates: int | None = None, final_ratio: float = 0.0):
+    """lr(s) for optimizer update s = 0, 1, ...: linear warm-up peak * (s + 1) / warmup_updates
+    (so update 0 already learns), then constant (DAPO) or cosine down to final_ratio * peak at
+    total_updates. Counts are updates; `run.learning_rate_schedule` converts rollout steps."""
     if kind not in ("constant", "cosine"):
         raise ValueError(f"unknown schedule {kind!r}; use 'constant' or 'cosine'")
-    if kind == "cosine" and (total_steps is None or total_steps <= warmup_steps):
-        raise ValueError(f"cosine needs total_steps > warmup_steps = {warmup_steps}, "
-                         f"got {total_steps}")
+    if warmup_updates < 0:
+        raise ValueError(f"warm-up must be >= 0 updates, got {warmup_updates}")
+    if kind == "cosine" and (total_updates is None or total_updates <= warmup_updates):
+        raise ValueError(f"cosine needs total_updates > warmup_updates = {warmup_updates}, "
+                         f"got {total_updates}")
 
     def schedule(step):
-        lr = peak * jnp.minimum(1.0, (step + 1.0) / max(warmup_steps, 1))
+        lr = peak * jnp.minimum(1.0, (step + 1.0) / max(warmup_updates, 1))
         if kind == "cosine":
-            done = jnp.clip((step - warmup_steps) / (total_steps - warmup_steps), 0.0, 1.0)
+            done = jnp.clip((step - warmup_updates) / (total_updates - warmup_updates), 0.0, 1.0)
             lr = lr * (final_ratio + (1.0 - final_ratio) * 0.5 * (1.0 + jnp.cos(math.pi * done)))
         return lr
 

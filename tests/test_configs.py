@@ -2,11 +2,12 @@
 
 import math
 
+import numpy as np
 import pytest
 
 from configs import ablation, dapo, grpo
 from conftest import small
-from dapo_jax import metrics, train
+from dapo_jax import metrics, run, train
 
 
 @pytest.mark.parametrize("variant", sorted(dapo.VARIANTS))
@@ -29,37 +30,69 @@ def test_unknown_variant_lists_the_valid_ones():
         dapo.get_config("qwen3")
 
 
-def test_grpo_is_the_baseline():
-    c = grpo.get_config("tiny")
-    assert (c.loss.eps_low, c.loss.eps_high) == (0.2, 0.2)
-    assert c.loss.agg_mode == "seq-mean-token-mean" and c.loss.beta > 0
+def flat(c) -> dict:
+    """Every leaf of a config as {"section.key": value}."""
+    return {f"{s}.{k}": v for s, section in c.to_dict().items()
+            for k, v in (section.items() if isinstance(section, dict) else [("", section)])}
+
+
+@pytest.mark.parametrize("variant", sorted(dapo.VARIANTS))
+def test_grpo_is_the_baseline_and_the_ablations_first_row(variant):
+    c = grpo.get_config(variant)
+    assert (c.loss.eps_low, c.loss.eps_high, c.loss.clip_ratio_c) == (0.2, 0.2, 10.0)
+    assert c.loss.agg_mode == "seq-mean-token-mean" and c.loss.beta == 0.0
     assert not (c.filter.enable or c.reward.overlong_penalty or c.reward.overlong_filter)
+    assert (c.filter.gen_batch_prompts, c.filter.max_num_gen_batches) == (
+        c.train.train_batch_prompts, 1)
+    assert flat(c) == flat(ablation.get_config(f"naive_grpo,{variant}"))
+    # Against DAPO, naive GRPO differs in exactly these keys.
+    ref = flat(dapo.get_config(variant))
+    assert {k for k, v in flat(c).items() if ref[k] != v} == {
+        "loss.eps_high", "loss.agg_mode", "reward.overlong_penalty", "filter.enable",
+        "filter.gen_batch_prompts", "filter.max_num_gen_batches"}
 
 
-def test_ablation_rows_are_cumulative_and_end_at_dapo():
-    rows = [ablation.get_config(f"{row},tiny") for row in ablation.ROW_NAMES]
-    assert [r.reward.overlong_filter for r in rows] == [False] + [True] * 5
+@pytest.mark.parametrize("variant", sorted(dapo.VARIANTS))
+def test_ablation_rows_are_cumulative_and_end_at_dapo(variant):
+    rows = [ablation.get_config(f"{row},{variant}") for row in ablation.ROW_NAMES]
+    assert [r.reward.overlong_filter for r in rows] == [False, True, True, False, False, False]
     assert [r.loss.eps_high for r in rows] == [0.2, 0.2] + [0.28] * 4
     assert [r.reward.overlong_penalty for r in rows] == [False] * 3 + [True] * 3
     assert [r.loss.agg_mode == "token-mean" for r in rows] == [False] * 4 + [True] * 2
     assert [r.filter.enable for r in rows] == [False] * 5 + [True]
-    full, ref = rows[-1], dapo.get_config("tiny")
-    for section in ("loss",):
-        assert full[section].to_dict() == ref[section].to_dict()
+    assert flat(rows[-1]) == flat(dapo.get_config(variant))
+
+
+def test_unknown_ablation_row_lists_the_valid_ones():
     with pytest.raises(ValueError, match="clip_higher"):
         ablation.get_config("clip_highr,tiny")
+
+
+def test_warm_up_counts_rollout_steps_and_the_first_update_learns():
+    c = dapo.get_config("qwen2_5_32b")
+    assert c.optim.warmup_rollout_steps == 20
+    schedule = run.learning_rate_schedule(c)  # 16 updates a rollout step: 320 warm-up updates
+    lr = [float(schedule(s)) for s in (0, 1, 15, 318, 319, 320, 5000)]
+    np.testing.assert_allclose(lr, [1e-6 / 320, 2e-6 / 320, 16e-6 / 320, 319e-6 / 320, 1e-6,
+                                    1e-6, 1e-6], rtol=1e-6)
+    c.optim.warmup_rollout_steps = 0
+    assert float(run.learning_rate_schedule(c)(0)) == pytest.approx(1e-6)
 
 
 @pytest.mark.parametrize("name,config", [
     ("dapo", lambda: dapo.get_config("tiny")),
     ("grpo", lambda: grpo.get_config("tiny")),
+    ("grpo_kl", lambda: small(grpo.get_config("tiny"), loss__beta=0.001,
+                              reference__path=dapo.get_config("tiny").model.path)),
 ] + [(row, lambda row=row: ablation.get_config(f"{row},tiny")) for row in ablation.ROW_NAMES])
 def test_small_variant_runs_one_step(name, config, tmp_path):
     summary = train.train(small(config()), str(tmp_path))
     assert summary["actor/skipped_updates"] == 0
     assert math.isfinite(summary["actor/pg_loss"]) and summary["actor/grad_norm"] > 0
-    if name == "grpo":
-        assert summary["actor/kl_ref"] >= 0 and summary["dynamic_sampling/gen_batches"] == 1
+    if name.startswith("grpo"):
+        assert summary["dynamic_sampling/gen_batches"] == 1
+    if name == "grpo_kl":
+        assert summary["actor/kl_ref"] >= 0
     records = metrics.read_jsonl(str(tmp_path / "metrics.jsonl"))
     assert [r["step"] for r in records] == [1]
     assert (tmp_path / "export" / "model.safetensors").exists()

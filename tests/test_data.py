@@ -115,6 +115,21 @@ def test_malformed_rows_are_skipped_and_counted(tmp_path, caplog):
     assert any("skipped 6 malformed rows of 8" in m for m in messages)
 
 
+def test_rows_that_quote_the_template_inexactly_are_counted(tmp_path, caplog):
+    exact = data.DEFAULT_TEMPLATE.replace("{problem}", "Compute 1+2.")
+    one_off = exact.replace("Remember", "remember")   # one character differs
+    rows = [row(exact, "3"), row(one_off, "3"), row("Compute 2+2.", "4"),
+            row(exact.replace("Answer: $Answer", "Answer:$Answer"), "3")]
+    path = str(tmp_path / "train.parquet")
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    with caplog.at_level(logging.WARNING):
+        loaded = data.load_prompts(path, char_tokenizer(), 1000, use_chat_template=False)
+    assert loaded.n_template_mismatch == 2 and loaded.n_duplicates == 0
+    texts = [ex["prompt_text"] for ex in loaded.examples]
+    assert texts[0] == exact and texts[1] == data.DEFAULT_TEMPLATE.replace("{problem}", one_off)
+    assert any("2 rows quote the DAPO prompt template" in r.getMessage() for r in caplog.records)
+
+
 def test_missing_path_and_empty_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="nowhere.parquet"):
         data.load_prompts(str(tmp_path / "nowhere.parquet"), char_tokenizer(), 8)

@@ -146,6 +146,35 @@ def test_bad_generation_batches_are_rejected():
         DynamicSampler(lambda: {"acc": np.zeros(4, bool), "x": np.zeros(2)}, 1, G).next_batch()
     with pytest.raises(ValueError, match="on_exhausted"):
         DynamicSampler(lambda: {}, 1, G, on_exhausted="crash")
+    with pytest.raises(ValueError, match="metric must be one of"):
+        DynamicSampler(lambda: {}, 1, G, metric="length")
+    with pytest.raises(ValueError, match="'score'"):
+        DynamicSampler(lambda: {"acc": np.zeros(4, bool)}, 1, G, metric="score").next_batch()
+
+
+def test_zero_max_num_gen_batches_means_no_bound():
+    # Ten all-correct batches, then one kept group per batch: 13 batches fill 3 groups.
+    script = [[(1, 1), (0, 0)]] * 10 + [[(1, 0), (1, 1)]] * 3
+    batch, stats = DynamicSampler(scripted(script), 3, G, max_num_gen_batches=0).next_batch()
+    assert stats["dynamic_sampling/gen_batches"] == 13
+    np.testing.assert_array_equal(batch["prompt_id"], [20, 20, 22, 22, 24, 24])
+    assert batch["valid"].all()
+
+
+def test_filter_on_score_or_reward_keeps_groups_that_differ_there():
+    # Both groups are all-wrong by acc; the second differs in the shaped reward only.
+    gen = {"acc": np.zeros(4, bool), "score": np.full(4, -1.0),
+           "reward": np.array([-1.0, -1.0, -1.0, -1.5]), "prompt_id": np.repeat([0, 1], 2)}
+    kept = lambda metric: DynamicSampler(lambda: gen, 1, G, 1, metric=metric).next_batch()[0]
+    assert not kept("acc")["valid"].any() and not kept("score")["valid"].any()
+    np.testing.assert_array_equal(kept("reward")["prompt_id"], [1, 1])
+
+
+def test_a_group_of_one_is_kept():
+    # std over one response is 0 whatever it scored; the recipe keeps such groups, and so do we.
+    gen = {"acc": np.array([True, False, True])}
+    batch, stats = DynamicSampler(lambda: gen, 3, 1, 1).next_batch()
+    assert batch["valid"].all() and stats["dynamic_sampling/kept_fraction"] == 1.0
 
 
 @pytest.mark.parametrize("q", [0.3, 0.9])

@@ -93,6 +93,7 @@ AGG_MASK = np.array([[1, 0, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]], bool)
 @pytest.mark.parametrize("agg_mode, norm_const, loss, row0, row1", [
     ("token-mean", None, (-2 + 3) / 4, -2 / 4, 1 / 4),
     ("seq-mean-token-mean", None, (-2 / 1 + 3 / 3) / 2, -2 / (1 * 2), 1 / (3 * 2)),
+    ("seq-mean-token-sum", None, (-2 + 3) / 2, -2 / 2, 1 / 2),
     ("seq-mean-token-sum-norm", 4.0, (-2 + 3) / (2 * 4), -2 / (2 * 4), 1 / (2 * 4)),
 ])
 def test_aggregation_modes_by_hand(agg_mode, norm_const, loss, row0, row1):
@@ -159,6 +160,15 @@ def test_k3_kl_to_reference_by_hand():
     np.testing.assert_allclose(grad, [[-0.25, 0.0]], atol=1e-7)
     with pytest.raises(ValueError, match="needs ref_logp"):
         objective.policy_loss(logp, logp, np.zeros(1), np.ones((1, 2)), beta=0.5)
+
+
+def test_k3_kl_is_clamped_at_ten_like_the_recipe():
+    # ref - logp = 3: e^3 - 3 - 1 = 16.09 -> 10, with no gradient; ref - logp = 2: 3.389, kept.
+    logp = jnp.zeros((1, 2))
+    ref = jnp.array([[3.0, 2.0]])
+    np.testing.assert_allclose(objective.k3_kl(logp, ref), [[10.0, math.exp(2) - 3]], rtol=1e-6)
+    grad = jax.grad(lambda lp: objective.k3_kl(lp, ref).sum())(logp)
+    np.testing.assert_allclose(grad, [[0.0, 1 - math.exp(2)]], rtol=1e-6)
 
 
 def test_token_logp_and_entropy_by_hand():

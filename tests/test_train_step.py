@@ -177,9 +177,9 @@ def test_learning_rate_schedules_by_hand():
     constant = ts.learning_rate_schedule(1e-3, 4, "constant")
     np.testing.assert_allclose([constant(s) for s in range(6)],
                                [2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3], rtol=1e-6)
-    cosine = ts.learning_rate_schedule(1.0, 2, "cosine", total_steps=6, final_ratio=0.0)
+    cosine = ts.learning_rate_schedule(1.0, 2, "cosine", total_updates=6, final_ratio=0.0)
     np.testing.assert_allclose([cosine(s) for s in range(7)],
                                [.5, 1, 1, 0.5 * (1 + np.cos(np.pi / 4)), .5,
                                 0.5 * (1 + np.cos(3 * np.pi / 4)), 0], rtol=1e-6, atol=1e-7)
-    with pytest.raises(ValueError, match="total_steps"):
+    with pytest.raises(ValueError, match="total_updates"):
         ts.learning_rate_schedule(1.0, 2, "cosine")
