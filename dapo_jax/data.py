@@ -47,7 +47,8 @@ DEFAULT_TEMPLATE = (
 class PromptSet:
     """Loaded examples and what loading did. Each example is a dict with keys prompt_ids
     (list[int]), prompt_text (the templated text, before truncation), ground_truth (str),
-    index (row in the file), problem_id (dense id of the problem text), data_source (str)."""
+    index (row in the file), problem_id (dense id of the problem text), data_source (str),
+    solution (`extra_info.solution`, a worked solution where the file has one, else None)."""
     examples: list
     n_rows: int        # rows in the file
     n_malformed: int   # rows skipped as malformed
@@ -162,10 +163,12 @@ def load_prompts(path: str, tokenizer, max_prompt_len: int, *, template: str = D
                                 "it exactly; it keeps its wording and gets the configured template "
                                 "around it", path, index)
         problem_id = problem_ids.setdefault(problem, len(problem_ids))
-        data_source = row.get("data_source")
+        data_source, extra = row.get("data_source"), row.get("extra_info")
+        solution = extra.get("solution") if isinstance(extra, dict) else None
         kept.append({"prompt_text": format_prompt(problem, tokenizer, template, chat),
                      "ground_truth": answer, "index": index, "problem_id": problem_id,
-                     "data_source": data_source if isinstance(data_source, str) else ""})
+                     "data_source": data_source if isinstance(data_source, str) else "",
+                     "solution": solution if isinstance(solution, str) else None})
     if n_malformed:
         logging.warning("%s: skipped %d malformed rows of %d", path, n_malformed, n_rows)
     if n_mismatch:
@@ -197,6 +200,11 @@ class PromptIterator:
     def _set(self, epoch: int, position: int):
         self._epoch, self._position = epoch, position
         self._order = np.random.default_rng([self._seed, epoch]).permutation(len(self._examples))
+
+    @property
+    def examples(self) -> list:
+        """Every example, in load order."""
+        return self._examples
 
     def next_batch(self, n: int) -> list[dict]:
         batch = []

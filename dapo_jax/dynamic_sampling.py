@@ -47,7 +47,7 @@ class DynamicSampler:
     def __init__(self, generate_fn, train_batch_groups: int, group_size: int,
                  max_num_gen_batches: int = 10, *, filter_groups: bool = True,
                  metric: str = "acc", carry_over: bool = False, on_exhausted: str = "mask",
-                 metric_keys: tuple = ("acc", "score", "length")):
+                 metric_keys: tuple = ("acc", "score", "reward", "length", "truncated")):
         if train_batch_groups < 1 or group_size < 1 or max_num_gen_batches < 0:
             raise ValueError("train_batch_groups and group_size must be >= 1 and "
                              "max_num_gen_batches >= 0 (0: no bound)")

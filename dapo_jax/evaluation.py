@@ -1,7 +1,8 @@
 """Evaluation metrics over n samples per problem (spec section 7). Host code; no jax.
 
 For a problem with n samples of which c are correct:
-  avg@n   mean accuracy, c / n, averaged over problems (DAPO reports avg@32 on AIME 2024);
+  avg@n   mean accuracy, c / n, averaged over problems (DAPO reports avg@32 on AIME 2024),
+          with its standard error over problems (se_avg@n);
   pass@k  P(at least one of k samples drawn without replacement is correct), the unbiased
           estimator 1 - C(n-c, k) / C(n, k); when k == n it is 1 if c > 0 else 0;
   maj@k   (cons@k) correctness of the most frequent normalised answer among the first k samples.
@@ -13,6 +14,7 @@ For a problem with n samples of which c are correct:
 
 import collections
 import math
+import statistics
 
 from dapo_jax.rewards import ERROR, INVALID, TIMEOUT
 
@@ -49,7 +51,9 @@ def evaluate(records, ks=None) -> dict:
     """Metrics from per-sample records, dicts with "problem_id", "pred" (normalised), "acc".
 
     Every problem must have the same number n of samples; `ks` defaults to `default_ks(n)`.
-    Returns {"avg@n", "pass@k" and "maj@k" for each k, "num_problems", "samples_per_problem"}.
+    Returns {"avg@n", "se_avg@n" (its standard error over problems: the standard deviation of
+    the per-problem c / n, over sqrt(number of problems)), "pass@k" and "maj@k" for each k,
+    "num_problems", "samples_per_problem"}.
     """
     by_problem = collections.defaultdict(list)
     for record in records:
@@ -63,7 +67,10 @@ def evaluate(records, ks=None) -> dict:
     ks = default_ks(n) if ks is None else sorted(ks)
     metrics = {"num_problems": len(by_problem), "samples_per_problem": n}
     problems = list(by_problem.values())
-    metrics[f"avg@{n}"] = sum(sum(a for _, a in s) / n for s in problems) / len(problems)
+    per_problem = [sum(a for _, a in s) / n for s in problems]
+    metrics[f"avg@{n}"] = sum(per_problem) / len(problems)
+    metrics[f"se_avg@{n}"] = (statistics.stdev(per_problem) / math.sqrt(len(problems))
+                              if len(problems) > 1 else float("nan"))
     for k in ks:
         metrics[f"pass@{k}"] = sum(pass_at_k(n, sum(a for _, a in s), k)
                                    for s in problems) / len(problems)

@@ -24,7 +24,7 @@ CONSOLE = (
     ("actor/entropy", "ent", ".3f"),
     ("actor/token_prob", "p", ".3f"),
     ("actor/pg_clipfrac_upper", "clip+", ".3f"),
-    ("filter/kept_fraction", "kept", ".2f"),
+    ("dynamic_sampling/kept_fraction", "kept", ".2f"),
     ("timing/step_s", "s", ".1f"),
 )
 

@@ -19,6 +19,7 @@ Run it from the repository root (the config files import `configs.common`).
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import shutil
 import signal
@@ -118,7 +119,8 @@ class _Preemption:
         self.requested = True
 
 
-def _evaluate(run: Run, step: int) -> dict:
+def evaluate(run: Run, step: int) -> dict:
+    """Held-out avg@k / pass@k / maj@k of `run.state.params` (the config's eval settings)."""
     t0 = time.time()
     result = rollout.evaluate(run.eval_sampler, run.state.params, run.eval_examples,
                               run.config.eval.samples,
@@ -210,7 +212,7 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict:
         preemption = _Preemption()
         summary = {}
         if start == 0 and c.eval.at_start and run.eval_examples:
-            summary = _evaluate(run, 0)
+            summary = evaluate(run, 0)
             writer.write(0, summary)
             print(f"step     0  held-out {_eval_text(summary)}", flush=True)
         for step in range(start + 1, c.train.steps + 1):
@@ -222,7 +224,7 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict:
                                 step, skipped)
             if c.eval.every and run.eval_examples and (step % c.eval.every == 0
                                                        or step == c.train.steps):
-                summary.update(_evaluate(run, step))
+                summary.update(evaluate(run, step))
             writer.write(step, summary)
             print(metrics.console_line(step, summary), flush=True)
             stop = nonfinite_run >= c.train.max_consecutive_nonfinite
@@ -247,8 +249,26 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict:
 
 
 def _eval_text(m: dict) -> str:
-    return "  ".join(f"{k.split('/')[-1]} {v:.3f}" for k, v in m.items()
-                     if k.startswith("eval/") and ("avg@" in k or k.endswith("@1")))
+    """"avg@4 0.412 ± 0.015  pass@1 ..." of an evaluation's metrics (± one standard error)."""
+    parts = []
+    for key, value in m.items():
+        name = key.split("/")[-1]
+        if key.startswith("eval/") and (name.startswith("avg@") or name.endswith("@1")):
+            se = m.get(f"eval/se_{name}")
+            parts.append(f"{name} {value:.3f}" + (f" ± {se:.3f}" if se is not None else ""))
+    return "  ".join(parts)
+
+
+def _gain_text(before: dict, after: dict) -> str | None:
+    """The avg@k gain and its standard error, sqrt(se_before^2 + se_after^2) (the two evaluations
+    draw independent samples), or None when either lacks them."""
+    key = next((k for k in after if k.startswith("eval/avg@")), None)
+    se_key = key and key.replace("eval/", "eval/se_")
+    if not key or key not in before or se_key not in before or se_key not in after:
+        return None
+    gain, se = after[key] - before[key], math.hypot(before[se_key], after[se_key])
+    return (f"held-out gain: {gain:+.3f} ± {se:.3f} ({gain / se:+.1f} standard errors)"
+            if se > 0 else f"held-out gain: {gain:+.3f}")
 
 
 def _unknown_override(config, argv) -> str | None:
@@ -323,6 +343,9 @@ def _report(workdir: str, summary: dict) -> None:
     if evals:
         print(f"held-out accuracy before (step {evals[0]['step']}): {_eval_text(evals[0])}")
         print(f"held-out accuracy after (step {evals[-1]['step']}):  {_eval_text(evals[-1])}")
+        gain = _gain_text(evals[0], evals[-1]) if len(evals) > 1 else None
+        if gain:
+            print(gain)
     print(f"curves: {os.path.dirname(curves[0])}")
     export = os.path.join(workdir, "export")
     if os.path.isdir(export):

@@ -17,7 +17,6 @@ import os
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pyarrow.parquet as pq
@@ -25,7 +24,7 @@ import tokenizers
 import transformers
 from tokenizers import decoders, models
 
-from dapo_jax import hf_io, model, sharding, synthetic
+from dapo_jax import hf_io, model, sft, sharding, synthetic
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # pad, turn start, end of turn (EOS)
 CHAT_TEMPLATE = (
@@ -53,43 +52,26 @@ def build_tokenizer() -> transformers.PreTrainedTokenizerFast:
         chat_template=CHAT_TEMPLATE)
 
 
-def sft_batch(tokenizer, rows, seq_len):
-    """Right-padded prompt + solution + EOS, with a loss mask on the solution and EOS only."""
-    tokens = np.zeros((len(rows), seq_len), np.int32)
-    loss_mask = np.zeros((len(rows), seq_len), bool)
-    for i, row in enumerate(rows):
-        prompt = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True,
-                                               tokenize=False)
-        p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        r = tokenizer(row["extra_info"]["solution"], add_special_tokens=False)["input_ids"]
-        ids = (p + r + [tokenizer.eos_token_id])[:seq_len]
-        tokens[i, :len(ids)] = ids
-        loss_mask[i, len(p):len(ids)] = True
-    return tokens, loss_mask
+def sft_arrays(tokenizer, rows, seq_len):
+    """`sft.sft_batch` of rows: the chat-templated bare problem, its worked solution, EOS."""
+    prompts = [tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True,
+                                             tokenize=False) for row in rows]
+    x = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    y = tokenizer([row["extra_info"]["solution"] for row in rows],
+                  add_special_tokens=False)["input_ids"]
+    return sft.sft_batch(x, y, tokenizer.eos_token_id, tokenizer.pad_token_id, seq_len)
 
 
 def train(params, m, tokenizer, rows, *, steps, batch, seq_len, lr, seed):
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, 100, steps, lr * 0.1)
     opt = optax.adamw(schedule, weight_decay=0.01)
     opt_state = opt.init(params)
-
-    @jax.jit
-    def step(params, opt_state, tokens, loss_mask):
-        def loss_fn(p):
-            logits = model.forward(m, p, tokens, tokens > 0)[:, :-1]
-            nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[:, 1:, None], -1)[..., 0]
-            target = loss_mask[:, 1:]
-            return (nll * target).sum() / target.sum()
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
+    step = sft.make_sft_step(m, opt)
     rng = np.random.default_rng(seed)
     start = time.time()
     for i in range(steps):
         chosen = [rows[j] for j in rng.integers(0, len(rows), batch)]
-        params, opt_state, loss = step(params, opt_state, *sft_batch(tokenizer, chosen, seq_len))
+        params, opt_state, loss = step(params, opt_state, *sft_arrays(tokenizer, chosen, seq_len))
         if i % 50 == 0 or i == steps - 1:
             print(f"step {i:5d}  loss {float(loss):.4f}  {time.time() - start:6.0f}s", flush=True)
     return params

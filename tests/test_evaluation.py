@@ -1,5 +1,7 @@
 """avg@k, pass@k and maj@k on a hand-made table of samples."""
 
+import math
+
 import pytest
 
 from dapo_jax import evaluation
@@ -24,6 +26,8 @@ def test_metrics_by_hand():
     expected = {
         "num_problems": 4, "samples_per_problem": 4,
         "avg@4": (2 / 4 + 2 / 4 + 0 + 1 / 4) / 4,                   # 0.3125
+        # per-problem .5, .5, 0, .25: squared deviations .035156 x 2, .097656, .003906
+        "se_avg@4": math.sqrt((2 * 0.1875**2 + 0.3125**2 + 0.0625**2) / 3) / 2,
         "pass@1": 0.3125,
         "pass@2": ((1 - 1 / 6) + (1 - 1 / 6) + 0 + (1 - 3 / 6)) / 4,  # C(2,2)/C(4,2), C(3,2)/C(4,2)
         "pass@4": 3 / 4,                                            # any correct
@@ -41,7 +45,8 @@ def test_chosen_ks():
     metrics = evaluation.evaluate(records(), ks=[3])
     # pass@3: A, B: 1 - C(2,3)/C(4,3) = 1; D: 1 - C(3,3)/C(4,3) = 3/4.
     assert metrics["pass@3"] == pytest.approx((1 + 1 + 0 + 0.75) / 4)
-    assert set(metrics) == {"num_problems", "samples_per_problem", "avg@4", "pass@3", "maj@3"}
+    assert set(metrics) == {"num_problems", "samples_per_problem", "avg@4", "se_avg@4", "pass@3",
+                            "maj@3"}
 
 
 def test_pass_at_k_and_majority_pieces():

@@ -125,3 +125,12 @@ def test_logp_agreement_measures_carried_groups_apart():
     fresh_only = train._logp_agreement(batch, old_logp, loss_mask, carried_rows=0)
     assert fresh_only["rollout/logp_diff_max"] == pytest.approx(0.5)
     assert "rollout/carried_logp_diff_mean" not in fresh_only
+
+
+def test_held_out_text_gives_standard_errors_and_the_gain():
+    before = {"eval/avg@4": 0.40, "eval/se_avg@4": 0.03, "eval/pass@1": 0.40}
+    after = {"eval/avg@4": 0.60, "eval/se_avg@4": 0.04}
+    assert train._eval_text(before) == "avg@4 0.400 ± 0.030  pass@1 0.400"
+    # gain 0.2, se sqrt(0.03^2 + 0.04^2) = 0.05: 4 standard errors.
+    assert train._gain_text(before, after) == "held-out gain: +0.200 ± 0.050 (+4.0 standard errors)"
+    assert train._gain_text({"eval/avg@4": 0.4}, after) is None
