@@ -11,7 +11,10 @@ naming the file and the key or tensor:
   3. strict loading (`check_tensors`): the layers are `num_hidden_layers`, every tensor feeds a
      parameter of its shape (else the config.json keys behind it are named) and a float dtype, or
      is on the short list of tensors known to be unused (`_UNUSED_TENSORS`), and no parameter
-     lacks one.
+     lacks one;
+  4. the tokenizer (`load_tokenizer`, `check_vocab`): present, and no larger than `vocab_size`.
+`check_model_folder` runs 1-3 without reading a weight; `load_params` runs 2-3 before it reads.
+
 Weights are read from safetensors only (never pickle) and straight into their shards: each process
 reads just the slices that its own devices hold (`jax.make_array_from_callback` over memory-mapped
 safetensors slices), so the full model never sits unsharded on one host. Saving writes the
@@ -64,6 +67,8 @@ def _json_file(path: str, what: str):
     try:
         with open(path, "rb") as f:
             return json.loads(f.read())
+    except OSError as e:
+        raise ModelFolderError(path, f"cannot be read ({e.strerror})") from None
     except (UnicodeDecodeError, ValueError) as e:
         raise ModelFolderError(path, f"is not valid JSON ({e}); {what}") from None
 

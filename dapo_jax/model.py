@@ -1,11 +1,10 @@
-"""The decoder-only transformer shared by Qwen2/Qwen2.5, Qwen3 (dense) and the Llama family, in Flax
-linen.
+"""The decoder-only transformer of Qwen2/Qwen2.5, Qwen3 (dense) and Llama, in Flax linen.
 
 Token embedding, RoPE, grouped-query attention with optional q/k/v bias (Qwen2) and optional
 RMSNorm of each query and key head before RoPE (Qwen3), RMSNorm, SwiGLU MLP, tied or untied LM
-head. Parameter names mirror Hugging Face's so that `hf_io` maps them one to
-one. Every parameter and the main activations carry logical axis names (`sharding.RULES` maps them
-onto the mesh). The model knows nothing of RL.
+head. Parameter names mirror Hugging Face's so that `hf_io` maps them one to one. Every parameter
+and the main activations carry logical axis names (`sharding.RULES` maps them onto the mesh). The
+model knows nothing of RL.
 
 Attention takes an explicit boolean mask `attn_BxTxS` (query t may read key slot s). Without a cache
 the keys are the T input tokens (S = T); with a cache (`KVCache`, one per layer) the T new keys and

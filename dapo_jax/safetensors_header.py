@@ -39,15 +39,18 @@ def read_safetensors_header(path: str) -> dict[str, TensorInfo]:
     """The tensors of a safetensors file, from its header alone: the header's length is checked
     against the file's size before the header is read, and every tensor's bytes against its dtype
     and shape and against the data the file holds (a truncated file is named as one)."""
-    size = os.path.getsize(path)
-    if size < 8:
-        raise ModelFolderError(path, f"holds {size} bytes, no safetensors header; {REDO}")
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        if n > min(size - 8, _MAX_HEADER_BYTES):
-            raise ModelFolderError(path, f"is not a safetensors file or is truncated: its header "
-                                   f"would take {n} bytes of the file's {size}; {REDO}")
-        raw = f.read(n)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 8:
+                raise ModelFolderError(path, f"holds {size} bytes, no safetensors header; {REDO}")
+            n = int.from_bytes(f.read(8), "little")
+            if n > min(size - 8, _MAX_HEADER_BYTES):
+                raise ModelFolderError(path, f"is not a safetensors file or is truncated: its "
+                                       f"header would take {n} bytes of the file's {size}; {REDO}")
+            raw = f.read(n)
+    except OSError as e:
+        raise ModelFolderError(path, f"cannot be read ({e.strerror})") from None
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, ValueError):

@@ -29,6 +29,8 @@ def test_qwen3_logits_match_transformers_with_left_padding(qwen3_dir):
     assert attn["q_proj"]["kernel"].shape == (64, 4 * 24)  # head_dim 24, not 64 / 4
     assert attn["q_norm"]["scale"].shape == attn["k_norm"]["scale"].shape == (24,)
     assert "lm_head" not in params and "bias" not in attn["q_proj"]
+    cfg = hf_io.config_from_hf(hf_io.read_hf_config(qwen3_dir))
+    assert sum(x.size for x in jax.tree.leaves(params)) == cfg.num_params()
     ref = _hf_logits(qwen3_dir, tokens, mask)
     np.testing.assert_allclose(ours[mask], ref[mask], atol=1e-4, rtol=1e-4)
 
