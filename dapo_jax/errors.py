@@ -18,4 +18,3 @@ class ModelFolderError(ConfigError):
 
     def __init__(self, path: str, problem: str):
         super().__init__(" ".join(f"{path}: {problem}".split()))
-        self.path = path
