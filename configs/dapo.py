@@ -77,6 +77,17 @@ def qwen2_5_7b() -> ml_collections.ConfigDict:
     return c
 
 
+def qwen3_8b() -> ml_collections.ConfigDict:
+    """The 32B recipe on Qwen3-8B-Base (36 layers, hidden 4096, 32 query and 8 KV heads of 128,
+    q/k norm, untied head): same algorithm, the 7B's slice (v5p-64: 32 chips). Prompt and
+    response, 2048 + 20480 tokens, fit its 32768 positions."""
+    c = qwen2_5_32b()
+    c.model.path = "/ckpt/Qwen3-8B-Base"
+    c.mesh = dict(data=1, fsdp=-1, tensor=4)  # 8 KV heads: 2 on each tensor shard
+    c.train.micro_batch_size = 64
+    return c
+
+
 def tiny() -> ml_collections.ConfigDict:
     """CPU scale: the shipped tiny base model on the shipped synthetic task, a few minutes."""
     c = qwen2_5_32b()
@@ -109,4 +120,5 @@ def tiny() -> ml_collections.ConfigDict:
     return c
 
 
-VARIANTS = {"tiny": tiny, "qwen2_5_7b": qwen2_5_7b, "qwen2_5_32b": qwen2_5_32b}
+VARIANTS = {"tiny": tiny, "qwen2_5_7b": qwen2_5_7b, "qwen2_5_32b": qwen2_5_32b,
+            "qwen3_8b": qwen3_8b}

@@ -1,9 +1,10 @@
-"""The decoder-only transformer shared by Qwen2/Qwen2.5 and the Llama family, in Flax linen.
+"""The decoder-only transformer of Qwen2/Qwen2.5, Qwen3 (dense) and Llama, in Flax linen.
 
-Token embedding, RoPE, grouped-query attention with optional q/k/v bias (Qwen2), RMSNorm, SwiGLU
-MLP, tied or untied LM head. Parameter names mirror Hugging Face's so that `hf_io` maps them one to
-one. Every parameter and the main activations carry logical axis names (`sharding.RULES` maps them
-onto the mesh). The model knows nothing of RL.
+Token embedding, RoPE, grouped-query attention with optional q/k/v bias (Qwen2) and optional
+RMSNorm of each query and key head before RoPE (Qwen3), RMSNorm, SwiGLU MLP, tied or untied LM
+head. Parameter names mirror Hugging Face's so that `hf_io` maps them one to one. Every parameter
+and the main activations carry logical axis names (`sharding.RULES` maps them onto the mesh). The
+model knows nothing of RL.
 
 Attention takes an explicit boolean mask `attn_BxTxS` (query t may read key slot s). Without a cache
 the keys are the T input tokens (S = T); with a cache (`KVCache`, one per layer) the T new keys and
@@ -39,6 +40,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: tuple[tuple[str, float], ...] | None = None  # llama3 rope: sorted (key, value)
     qkv_bias: bool = False  # True for Qwen2
+    qk_norm: bool = False  # True for Qwen3: RMSNorm over each q and k head before RoPE
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 32768
@@ -59,6 +61,7 @@ class ModelConfig:
         d, f, v, dh = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
         attn = d * dh * (2 * self.num_heads + 2 * self.num_kv_heads)
         attn += dh * (self.num_heads + 2 * self.num_kv_heads) if self.qkv_bias else 0
+        attn += 2 * dh if self.qk_norm else 0
         layer = attn + 3 * d * f + 2 * d + (2 * f + d if self.mlp_bias else 0)
         return v * d * (1 if self.tie_word_embeddings else 2) + self.num_layers * layer + d
 
@@ -205,16 +208,18 @@ def _dense(config, features, axes, use_bias, name):
 
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * scale, computed in float32."""
+    """x / sqrt(mean(x^2) + eps) * scale over the last axis, computed in float32; `axis` is the
+    scale's logical axis name."""
 
     eps: float
     dtype: jnp.dtype
     param_dtype: jnp.dtype
+    axis: str = "norm"
 
     @nn.compact
     def __call__(self, x):
         scale = self.param(
-            "scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+            "scale", nn.with_logical_partitioning(nn.initializers.ones, (self.axis,)),
             (x.shape[-1],), self.param_dtype,
         )
         x32 = x.astype(jnp.float32)
@@ -223,7 +228,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query attention: N query heads share K = num_kv_heads key/value heads."""
+    """Grouped-query attention: N query heads share K = num_kv_heads key/value heads. With
+    `qk_norm` each query and key head is RMS-normalised (one scale of H entries for all query
+    heads, one for all key heads) before RoPE, so the cache holds normalised, rotated keys."""
 
     config: ModelConfig
 
@@ -235,8 +242,13 @@ class Attention(nn.Module):
         q = _dense(c, n * h, ("embed", "heads"), c.qkv_bias, "q_proj")(x_BxTxD)
         key = _dense(c, k * h, ("embed", "kv_heads"), c.qkv_bias, "k_proj")(x_BxTxD)
         val = _dense(c, k * h, ("embed", "kv_heads"), c.qkv_bias, "v_proj")(x_BxTxD)
-        q_BxTxNxH = apply_rope(q.reshape(b, t, n, h), rope)
-        kT_BxKxHxT = apply_rope(key.reshape(b, t, k, h), rope).transpose(0, 2, 3, 1)
+        q_BxTxNxH, k_BxTxKxH = q.reshape(b, t, n, h), key.reshape(b, t, k, h)
+        if c.qk_norm:
+            norm = lambda name: RMSNorm(c.rms_norm_eps, c.compute_dtype, c.weight_dtype,
+                                        "head_dim", name=name)
+            q_BxTxNxH, k_BxTxKxH = norm("q_norm")(q_BxTxNxH), norm("k_norm")(k_BxTxKxH)
+        q_BxTxNxH = apply_rope(q_BxTxNxH, rope)
+        kT_BxKxHxT = apply_rope(k_BxTxKxH, rope).transpose(0, 2, 3, 1)
         v_BxKxTxH = val.reshape(b, t, k, h).transpose(0, 2, 1, 3)
         if cache is not None:
             v_BxKxSxH = jax.lax.dynamic_update_slice(

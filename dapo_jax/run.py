@@ -16,11 +16,8 @@ from absl import logging
 
 from dapo_jax import (data, dynamic_sampling, hf_io, model, objective, rewards, rollout, sharding,
                       train_step)
+from dapo_jax.errors import ConfigError
 from dapo_jax.sampler import Sampler, SamplingConfig
-
-
-class ConfigError(ValueError):
-    """A config that cannot run; raised before anything is compiled."""
 
 
 def check_config(c: ml_collections.ConfigDict) -> None:
@@ -34,7 +31,11 @@ def check_config(c: ml_collections.ConfigDict) -> None:
         if not c.reference.path:
             raise ConfigError("loss.beta > 0 needs a reference model: set config.reference.path")
         need_file(os.path.join(c.reference.path, "config.json"), "reference model: file")
-    need_file(c.model.tokenizer_path or c.model.path, "tokenizer directory")
+    tokenizer_dir = c.model.tokenizer_path or c.model.path
+    if not hf_io.has_tokenizer(tokenizer_dir):
+        raise ConfigError(f"tokenizer directory {tokenizer_dir!r} holds no tokenizer (one of "
+                          f"{', '.join(hf_io.TOKENIZER_FILES)}): set model.tokenizer_path to the "
+                          "folder of the model's tokenizer")
     for f in list(c.data.train_files) + list(c.data.eval_files):
         need_file(f, "data file")
     if not c.data.train_files:
@@ -155,12 +156,15 @@ def _ids(x) -> tuple[int, ...]:
 def build(c: ml_collections.ConfigDict, workdir: str) -> Run:
     """The mesh, model, tokenizer, data, samplers, compiled steps, reward workers and filter."""
     mesh = sharding.make_mesh(c.mesh)
-    hf_config = hf_io.read_hf_config(c.model.path)
-    mcfg = hf_io.config_from_hf(hf_config, dtype=c.model.dtype, param_dtype=c.model.param_dtype,
-                                remat=c.model.remat, attention_chunk=c.model.attention_chunk,
-                                source=os.path.join(c.model.path, "config.json"))
+    numerics = dict(dtype=c.model.dtype, param_dtype=c.model.param_dtype, remat=c.model.remat,
+                    attention_chunk=c.model.attention_chunk)
+    hf_config, mcfg = hf_io.check_model_folder(c.model.path, **numerics)
+    if c.loss.beta > 0 and hf_io.check_model_folder(c.reference.path, **numerics)[1] != mcfg:
+        raise ConfigError(f"reference.path {c.reference.path!r} is not a model of the "
+                          f"architecture and sizes of model.path {c.model.path!r}")
     m = model.Transformer(mcfg)
     tokenizer = hf_io.load_tokenizer(c.model.tokenizer_path or c.model.path)
+    hf_io.check_vocab(mcfg, tokenizer, os.path.join(c.model.path, "config.json"))
     eos = tuple(sorted({tokenizer.eos_token_id, *_ids(hf_config.get("eos_token_id"))}))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     sampling = dict(max_new_tokens=c.rollout.max_new_tokens, eos_ids=eos, pad_id=pad,

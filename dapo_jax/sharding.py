@@ -29,6 +29,7 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("mlp", "tensor"),
     ("length", None),
     ("norm", None),
+    ("head_dim", None),  # Qwen3's q/k norm scales: one head's width, replicated
 )
 
 

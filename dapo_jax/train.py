@@ -140,6 +140,7 @@ def _export(run: Run) -> str:
         gen = os.path.join(run.config.model.path, "generation_config.json")
         if os.path.isfile(gen):
             shutil.copy(gen, out)
+        hf_io.check_model_folder(out)  # what a load of the export checks, before anyone loads it
     return out
 
 

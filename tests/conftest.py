@@ -11,7 +11,8 @@ import pytest  # noqa: E402
 
 
 def build_hf_model(arch: str, out_dir: str, **overrides) -> str:
-    """Save a random tiny `Qwen2ForCausalLM` or `LlamaForCausalLM` (torch, f32) to `out_dir`."""
+    """Save a random tiny `Qwen2ForCausalLM`, `Qwen3ForCausalLM` or `LlamaForCausalLM` (torch,
+    f32) to `out_dir`."""
     import torch
     import transformers
 
@@ -20,12 +21,11 @@ def build_hf_model(arch: str, out_dir: str, **overrides) -> str:
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   rms_norm_eps=1e-6, tie_word_embeddings=False)
     common.update(overrides)
-    if arch == "qwen2":
-        config = transformers.Qwen2Config(**common)
-        model = transformers.Qwen2ForCausalLM(config)
-    else:
-        config = transformers.LlamaConfig(**common)
-        model = transformers.LlamaForCausalLM(config)
+    classes = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+               "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+               "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}
+    config_cls, model_cls = classes[arch]
+    model = model_cls(config_cls(**common))
     with torch.no_grad():  # random, non-zero biases and norm scales so that they are tested too
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
@@ -42,6 +42,15 @@ def qwen2_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory):
     return build_hf_model("llama", str(tmp_path_factory.mktemp("llama")))
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory):
+    """Qwen3 as its small sizes are: tied embeddings, and head_dim (24) apart from
+    hidden_size / num_attention_heads (16). Weights of std 0.2: at 0.02 the tied head's logits
+    favour the input token and greedy decoding repeats one token."""
+    return build_hf_model("qwen3", str(tmp_path_factory.mktemp("qwen3")), head_dim=24,
+                          tie_word_embeddings=True, initializer_range=0.2)
 
 
 # Metrics that measure time or count the reward workers' life, not the run's maths.

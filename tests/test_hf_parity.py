@@ -103,9 +103,9 @@ def test_remat_changes_memory_not_maths(qwen2_dir):
 def test_missing_checkpoint_file_names_it(tmp_path):
     with open(tmp_path / "config.json", "w") as f:
         json.dump({"architectures": ["Qwen2ForCausalLM"]}, f)
-    with pytest.raises(FileNotFoundError, match="model.safetensors"):
-        hf_io._tensor_files(str(tmp_path))
-    with pytest.raises(FileNotFoundError, match="config.json"):
+    with pytest.raises(hf_io.ModelFolderError, match="model.safetensors"):
+        hf_io.checkpoint_tensors(str(tmp_path))
+    with pytest.raises(hf_io.ModelFolderError, match="config.json"):
         hf_io.read_hf_config(str(tmp_path / "nowhere"))
 
 
@@ -137,5 +137,5 @@ def test_missing_tensor_is_named(qwen2_dir, tmp_path):
         json.dump(hf_io.read_hf_config(qwen2_dir), f)
     m = model.Transformer(hf_io.config_from_hf(hf_io.read_hf_config(qwen2_dir), dtype="float32"))
     mesh = sharding.make_mesh({"data": -1}, devices=jax.devices()[:1])
-    with pytest.raises(KeyError, match=r"model\.layers\.1\.self_attn\.k_proj\.bias"):
+    with pytest.raises(hf_io.ModelFolderError, match=r"model\.layers\.1\.self_attn\.k_proj\.bias"):
         hf_io.load_params(str(tmp_path), m, mesh)

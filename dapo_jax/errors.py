@@ -1,0 +1,20 @@
+"""The errors that a run reports as one line (`error: ...`, exit status 2), never as a traceback.
+
+A run raises them before it compiles anything; `train.main` prints their message alone.
+"""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A config that cannot run."""
+
+
+class ModelFolderError(ConfigError):
+    """A model folder (config.json, safetensors, tokenizer) that cannot be loaded as it is.
+
+    The message is one line, `PATH: what is wrong; what to do`, and names the key or tensor.
+    """
+
+    def __init__(self, path: str, problem: str):
+        super().__init__(" ".join(f"{path}: {problem}".split()))
