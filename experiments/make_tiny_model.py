@@ -62,8 +62,22 @@ def sft_arrays(tokenizer, rows, seq_len):
     return sft.sft_batch(x, y, tokenizer.eos_token_id, tokenizer.pad_token_id, seq_len)
 
 
+def with_direct_answers(rows, fraction: float, seed: int) -> None:
+    """Replaces the worked solution of a random `fraction` of rows by the bare answer line.
+
+    The base model then learns two styles and picks one at its first token, whatever the
+    problem: working one operation a line (right most of the time) or answering at once (right
+    on short sums, rarely on long ones). Which one pays is what RL can find out, and the choice
+    is the same for every problem, so what it learns on training prompts holds on held-out ones.
+    """
+    rng = np.random.default_rng([seed, 1])
+    for row, direct in zip(rows, rng.random(len(rows)) < fraction):
+        if direct:
+            row["extra_info"]["solution"] = "Answer: " + row["reward_model"]["ground_truth"]
+
+
 def train(params, m, tokenizer, rows, *, steps, batch, seq_len, lr, seed):
-    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, 100, steps, lr * 0.1)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, min(100, steps // 5), steps, lr * 0.1)
     opt = optax.adamw(schedule, weight_decay=0.01)
     opt_state = opt.init(params)
     step = sft.make_sft_step(m, opt)
@@ -85,17 +99,23 @@ def main():
     parser.add_argument("--seq_len", type=int, default=128)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--direct_fraction", type=float, default=0.0,
+                        help="share of SFT solutions that give the answer without working")
+    parser.add_argument("--init", default=None,
+                        help="continue from this model directory instead of random weights")
     args = parser.parse_args()
 
     tokenizer = build_tokenizer()
     test_path = os.path.join("data", "synthetic", "test.parquet")
     test_problems = frozenset(r["prompt"][0]["content"] for r in pq.read_table(test_path).to_pylist())
     rows = synthetic.generate(50_000, seed=1000 + args.seed, exclude=test_problems)
+    with_direct_answers(rows, args.direct_fraction, seed=args.seed)
 
     cfg = hf_io.config_from_hf(HF_CONFIG, dtype="float32")
     m = model.Transformer(cfg)
     mesh = sharding.make_mesh({"data": -1}, devices=jax.devices()[:1])
-    params = sharding.init_params(m, mesh, jax.random.key(args.seed))
+    params = (hf_io.load_params(args.init, m, mesh) if args.init
+              else sharding.init_params(m, mesh, jax.random.key(args.seed)))
     params = train(params, m, tokenizer, rows, steps=args.steps, batch=args.batch,
                    seq_len=args.seq_len, lr=args.lr, seed=args.seed)
 

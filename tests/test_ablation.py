@@ -31,10 +31,10 @@ def test_run_summary_by_hand():
 
 def test_quick_study_runs_resumes_and_reports(tmp_path):
     workdir, out = str(tmp_path / "study"), str(tmp_path / "report")
-    args = ["run", "--scale=tiny", "--seeds=1", "--rows=naive_grpo,dynamic_sampling",
+    args = ["run", "--scale=tiny", "--seeds=1", "--rows=dynamic_sampling",
             f"--workdir={workdir}", "--quick"]
     ablation.main(args)
-    for row in ("naive_grpo", "dynamic_sampling", ablation.SFT_CONTROL):
+    for row in ("dynamic_sampling", ablation.SFT_CONTROL):
         records = metrics.read_jsonl(os.path.join(workdir, row, "seed0", metrics.JSONL))
         assert [r["step"] for r in records] == ([0, 2] if row == ablation.SFT_CONTROL
                                                 else [0, 1, 2])
@@ -42,7 +42,7 @@ def test_quick_study_runs_resumes_and_reports(tmp_path):
     assert sft_last["sft/updates"] == 4 and np.isfinite(sft_last["sft/loss"])
     # A finished study is skipped: nothing is trained or written again.
     stamps = {r: os.path.getmtime(os.path.join(workdir, r, "seed0", metrics.JSONL))
-              for r in ("naive_grpo", ablation.SFT_CONTROL)}
+              for r in ("dynamic_sampling", ablation.SFT_CONTROL)}
     ablation.main(args)
     assert stamps == {r: os.path.getmtime(os.path.join(workdir, r, "seed0", metrics.JSONL))
                       for r in stamps}
