@@ -34,7 +34,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from dapo_jax import checkpoint, hf_io, metrics, objective, plot, rollout, sharding, train_step
-from dapo_jax.run import ConfigError, Run, build, check_config
+from dapo_jax.run import ConfigError, Run, build, check_config, check_workdir
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/FILE.py:VARIANT",
                                           lock_config=True)
@@ -203,6 +203,7 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict:
     """Run (or resume) the configured training in `workdir`; returns the last step's metrics
     (with `export_dir` when this call trained)."""
     check_config(c)
+    check_workdir(workdir)
     os.makedirs(workdir, exist_ok=True)
     run = build(c, workdir)
     ckpt = checkpoint.Checkpointer(workdir, keep=c.checkpoint.keep,

@@ -79,8 +79,13 @@ def test_resume_after_sigkill_and_sigterm_equals_uninterrupted_run(tmp_path):
     ("--config.data.train_files=('/no/such/train.parquet',)",
      "data file '/no/such/train.parquet' does not exist"),
     ("--config.model.path=/no/such/model", "'/no/such/model/config.json' does not exist"),
+    ("--config.train.steps=-3", "train.steps must be in [1, inf), got -3"),
+    ("--config.data.train_files=('{tmp}/a b.parquet',)",
+     "data file '{tmp}/a b.parquet' is not a readable parquet file"),
 ])
 def test_bad_config_is_one_line_before_compiling(flag, message, tmp_path):
+    (tmp_path / "a b.parquet").write_text("not parquet")
+    flag, message = flag.format(tmp=tmp_path), message.format(tmp=tmp_path)
     out = subprocess.run(_cli(str(tmp_path / "run"), flag), cwd=ROOT, capture_output=True,
                          text=True, timeout=300)
     lines = [l for l in out.stderr.splitlines() if not l[:1] in "WI" or l.startswith("error")]
