@@ -22,3 +22,7 @@ class ModelFolderError(ConfigError):
 
 class DataFileError(ConfigError):
     """A prompt file that cannot be read or holds no usable rows; the message names the file."""
+
+
+class CheckpointError(RuntimeError):
+    """A workdir whose checkpoints exist but none of which restores."""
