@@ -152,7 +152,8 @@ def _export(run: Run) -> str:
 
 def _restore_or_start(run: Run, ckpt: checkpoint.Checkpointer) -> tuple[int, int]:
     """Sets `run.state` from the newest checkpoint that restores (and the data order and the
-    filter's carry), or from the base model. Returns (last completed step, non-finite updates in a row)."""
+    filter's carry), or from the base model. Returns (last completed step, non-finite updates in
+    a row)."""
     c = run.config
     restored = ckpt.restore_latest(run.abstract_state())
     if restored is None:

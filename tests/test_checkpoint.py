@@ -76,7 +76,8 @@ def test_a_damaged_latest_checkpoint_is_skipped_and_temporary_folders_cleaned(tm
     with caplog.at_level(logging.WARNING):
         step, state, host = ckpt.restore_latest(abstract)
     assert (step, int(host["n"])) == (1, 1)
-    np.testing.assert_array_equal(np.asarray(state["params"]["w"]), np.arange(16.0).reshape(8, 2) + 1)
+    np.testing.assert_array_equal(np.asarray(state["params"]["w"]),
+                                  np.arange(16.0).reshape(8, 2) + 1)
     assert any("checkpoint 2 in" in r.getMessage() and "cannot be restored, skipped: " in
                r.getMessage() for r in caplog.records)
     assert ckpt.all_steps() == [1]  # the damaged one is gone: the resumed run saves step 2 again

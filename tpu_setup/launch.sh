@@ -9,7 +9,9 @@
 set -euo pipefail
 DRY_RUN=0
 if [ "${1:-}" = --dry-run ]; then DRY_RUN=1; shift; fi
-if [ $# -lt 4 ]; then echo "usage: $0 [--dry-run] NAME ZONE CONFIG WORKDIR [flags...]" >&2; exit 2; fi
+if [ $# -lt 4 ]; then
+  echo "usage: $0 [--dry-run] NAME ZONE CONFIG WORKDIR [flags...]" >&2; exit 2
+fi
 NAME=$1 ZONE=$2 CONFIG=$3 WORKDIR=$4; shift 4
 ARGS=$(printf '%q ' "--config=$CONFIG" "--workdir=$WORKDIR" --multihost "$@")
 # ~ is the worker's home (left unquoted for its shell); stdin closed so that nohup detaches.
