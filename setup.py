@@ -6,7 +6,7 @@ setuptools.setup(
     version="0.1.0",
     description="DAPO (Decoupled Clip and Dynamic sAmpling Policy Optimization) in JAX",
     packages=setuptools.find_packages(include=["dapo_jax", "dapo_jax.*"]),
-    python_requires=">=3.10",
+    python_requires=">=3.11",
     install_requires=[
         "jax>=0.10.2,<0.11",
         "flax>=0.12.8,<0.13",

@@ -9,16 +9,21 @@ One checkpoint per saved step holds two items:
   cannot write zero-size arrays or empty dicts (an empty carry), so those travel in `meta`.
 
 Saves are asynchronous (the next step runs while the files are written); only complete
-checkpoints are listed, so a run killed mid-save resumes from the previous one.
+checkpoints are listed, so a run killed mid-save resumes from the previous one, and the temporary
+folders such a save leaves are removed when the next run opens the folder. A listed checkpoint
+whose files were damaged afterwards (truncated, garbled) is skipped at restore with a warning
+naming its step and why: `restore_latest` resumes from the newest one that restores.
 """
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging
 from flax import traverse_util
+
+from dapo_jax import paths
+from dapo_jax.errors import CheckpointError
 
 
 class Checkpointer:
@@ -26,8 +31,9 @@ class Checkpointer:
 
     def __init__(self, workdir: str, *, keep: int = 3, asynchronous: bool = True):
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, enable_async_checkpointing=asynchronous)
-        self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
+            max_to_keep=keep, create=True, enable_async_checkpointing=asynchronous,
+            cleanup_tmp_directories=True)
+        self.directory = paths.run_path(workdir) / "checkpoints"  # gs:// stays a URL
         self._manager = ocp.CheckpointManager(self.directory, options=options,
                                               item_names=("state", "host", "meta"))
 
@@ -64,6 +70,30 @@ class Checkpointer:
             flat[k] = traverse_util.empty_node
         host = traverse_util.unflatten_dict({tuple(k.split("/")): v for k, v in flat.items()})
         return restored["state"], host
+
+    def restore_latest(self, abstract_state) -> tuple[int, object, dict] | None:
+        """(step, state, host) of the newest checkpoint that restores; None when there is none.
+
+        A newer checkpoint that fails to restore is logged (its step and the error) and, once an
+        older one has restored, deleted: the resumed run computes and saves that step again.
+        Raises CheckpointError when checkpoints exist but none restores."""
+        failed = []
+        for step in sorted(self.all_steps(), reverse=True):
+            try:
+                state, host = self.restore(step, abstract_state)
+            except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many kinds
+                reason = " ".join(f"{type(e).__name__}: {e}".split())[:500]
+                logging.warning("checkpoint %d in %s cannot be restored, skipped: %s", step,
+                                self.directory, reason)
+                failed.append((step, reason))
+                continue
+            for bad, _ in failed:
+                self._manager.delete(bad)
+            return step, state, host
+        if failed:
+            raise CheckpointError(f"no checkpoint in {self.directory} restores: "
+                                  + "; ".join(f"{bad} ({why})" for bad, why in failed))
+        return None
 
     def wait(self) -> None:
         """Block until the pending asynchronous save is on disk."""

@@ -36,6 +36,10 @@ import os
 
 import datasets
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from dapo_jax.errors import DataFileError
 
 DEFAULT_TEMPLATE = (
     "Solve the following math problem step by step. The last line of your response should be of "
@@ -61,26 +65,46 @@ class _Malformed(ValueError):
     pass
 
 
+def check_data_file(path: str) -> None:
+    """Raises DataFileError unless `path` is a .parquet file with rows (read from its footer, no
+    rows loaded) or a .jsonl/.json file with a non-blank line: cheap checks before anything runs."""
+    if not os.path.exists(path):
+        raise DataFileError(f"data file {path!r} does not exist; put the parquet/jsonl file there "
+                            "or point the config's data path at it")
+    if os.path.isdir(path):
+        raise DataFileError(f"data file {path!r} is a directory, not a .parquet or .jsonl file")
+    if path.endswith(".parquet"):
+        try:
+            n_rows = pq.ParquetFile(path).metadata.num_rows
+        except (pa.ArrowException, OSError) as e:
+            raise DataFileError(f"data file {path!r} is not a readable parquet file "
+                                f"({' '.join(str(e).split())})") from None
+        if not n_rows:
+            raise DataFileError(f"data file {path!r} has no rows")
+    elif path.endswith((".jsonl", ".json")):
+        with open(path, "rb") as f:
+            if not any(line.strip() for line in f):
+                raise DataFileError(f"data file {path!r} has no rows")
+    else:
+        raise DataFileError(f"data file {path!r}: expected a .parquet or .jsonl file")
+
+
 def _read_rows(path: str):
     """Yields rows (dicts, or _Malformed for an undecodable jsonl line) of a local file."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"data file {path} does not exist; put the parquet/jsonl file "
-                                "there or point the config's data path at it")
+    check_data_file(path)
     if path.endswith(".parquet"):
         table = datasets.load_dataset("parquet", data_files=path, split="train")
         for batch in table.iter(batch_size=4096):
             columns = list(batch)
             for values in zip(*batch.values()):
                 yield dict(zip(columns, values))
-    elif path.endswith((".jsonl", ".json")):
+    else:
         with open(path) as f:
             for line in f:
                 try:
                     yield json.loads(line)
                 except json.JSONDecodeError as e:
                     yield _Malformed(f"not JSON ({e})")
-    else:
-        raise ValueError(f"data file {path}: expected a .parquet or .jsonl file")
 
 
 def _problem_and_answer(row) -> tuple[str, str]:
@@ -175,7 +199,8 @@ def load_prompts(path: str, tokenizer, max_prompt_len: int, *, template: str = D
         logging.warning("%s: %d rows quote the DAPO prompt template without being wrapped in it",
                         path, n_mismatch)
     if not kept:
-        raise ValueError(f"{path}: no usable rows ({n_rows} rows, {n_malformed} malformed)")
+        raise DataFileError(f"data file {path!r} has no usable rows ({n_rows} rows, "
+                            f"{n_malformed} malformed)")
     encoded = tokenizer([ex["prompt_text"] for ex in kept], add_special_tokens=not chat)
     n_truncated = 0
     for example, ids in zip(kept, encoded["input_ids"]):

@@ -18,3 +18,11 @@ class ModelFolderError(ConfigError):
 
     def __init__(self, path: str, problem: str):
         super().__init__(" ".join(f"{path}: {problem}".split()))
+
+
+class DataFileError(ConfigError):
+    """A prompt file that cannot be read or holds no usable rows; the message names the file."""
+
+
+class CheckpointError(RuntimeError):
+    """A workdir whose checkpoints exist but none of which restores."""

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 from absl import logging
+from etils import epath
 
 from dapo_jax import (data, dynamic_sampling, hf_io, model, objective, rewards, rollout, sharding,
                       train_step)
@@ -20,12 +21,65 @@ from dapo_jax.errors import ConfigError
 from dapo_jax.sampler import Sampler, SamplingConfig
 
 
+# The range of every numeric knob, as an interval: "[a, b)" includes a and excludes b.
+_RANGES = {
+    "train.steps": "[1, inf)", "train.train_batch_prompts": "[1, inf)",
+    "train.mini_batch_prompts": "[1, inf)", "train.micro_batch_size": "[1, inf)",
+    "train.length_bucket": "[1, inf)", "train.max_consecutive_nonfinite": "[1, inf)",
+    "rollout.group_size": "[1, inf)", "rollout.max_new_tokens": "[1, inf)",
+    "rollout.temperature": "(0, inf)", "rollout.top_p": "(0, 1]", "rollout.top_k": "[0, inf)",
+    "data.max_prompt_len": "[1, inf)",
+    "loss.eps_low": "[0, 1)", "loss.eps_high": "[0, inf)", "loss.clip_ratio_c": "[0, inf)",
+    "loss.norm_const": "[0, inf)", "loss.beta": "[0, inf)", "loss.entropy_coef": "[0, inf)",
+    "optim.lr": "(0, inf)", "optim.warmup_rollout_steps": "[0, inf)",
+    "optim.weight_decay": "[0, inf)", "optim.grad_clip": "(0, inf)", "optim.b1": "[0, 1)",
+    "optim.b2": "[0, 1)",
+    "reward.timeout_s": "(0, inf)", "reward.num_workers": "[1, inf)",
+    "reward.overlong_buffer": "[1, inf)", "reward.overlong_factor": "[0, inf)",
+    "filter.gen_batch_prompts": "[1, inf)", "filter.max_num_gen_batches": "[0, inf)",
+    "checkpoint.every": "[1, inf)", "checkpoint.keep": "[1, inf)",
+    "eval.every": "[0, inf)", "eval.samples": "[1, inf)", "eval.temperature": "(0, inf)",
+    "eval.top_p": "(0, 1]", "eval.max_problems": "[0, inf)", "eval.batch_prompts": "[1, inf)",
+    "model.attention_chunk": "[0, inf)",
+}
+
+
+def in_interval(value: float, interval: str) -> bool:
+    """Whether `value` lies in `interval`, written "[a, b]", "(a, b)", "[a, inf)" and so on."""
+    lo, hi = (float(x) for x in interval[1:-1].split(","))
+    above = value >= lo if interval[0] == "[" else value > lo
+    below = value <= hi if interval[-1] == "]" else value < hi
+    return above and below
+
+
+def check_ranges(c: ml_collections.ConfigDict) -> None:
+    """A ConfigError naming the first knob of `_RANGES` whose value lies outside its range."""
+    for key, interval in _RANGES.items():
+        section, field = key.split(".")
+        value = c[section][field]
+        if not in_interval(value, interval):
+            raise ConfigError(f"{key} must be in {interval}, got {value!r}")
+
+
+def check_workdir(workdir: str) -> None:
+    """A ConfigError when the workdir, or a folder above it, exists as something else than a
+    folder."""
+    path = epath.Path(workdir)
+    for p in (path, *path.parents):
+        if p.exists():
+            if not p.is_dir():
+                raise ConfigError(f"workdir {workdir!r}: {str(p)!r} is a file, not a folder")
+            return
+
+
 def check_config(c: ml_collections.ConfigDict) -> None:
-    """One-line errors for missing paths and inconsistent sizes, before any compilation."""
+    """One-line errors for out-of-range values, missing paths, bad data files and inconsistent
+    sizes, before any compilation."""
     def need_file(path, what):
         if not os.path.exists(path):
             raise ConfigError(f"{what} {path!r} does not exist")
 
+    check_ranges(c)
     need_file(os.path.join(c.model.path, "config.json"), "base model (config.model.path): file")
     if c.loss.beta > 0:
         if not c.reference.path:
@@ -36,13 +90,21 @@ def check_config(c: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"tokenizer directory {tokenizer_dir!r} holds no tokenizer (one of "
                           f"{', '.join(hf_io.TOKENIZER_FILES)}): set model.tokenizer_path to the "
                           "folder of the model's tokenizer")
-    for f in list(c.data.train_files) + list(c.data.eval_files):
-        need_file(f, "data file")
     if not c.data.train_files:
         raise ConfigError("config.data.train_files is empty")
+    for f in list(c.data.train_files) + list(c.data.eval_files):
+        data.check_data_file(f)
+    if not c.data.prompt_buckets or min(c.data.prompt_buckets) < 1:
+        raise ConfigError(f"data.prompt_buckets must be positive lengths, got "
+                          f"{tuple(c.data.prompt_buckets)}")
     if c.data.max_prompt_len > max(c.data.prompt_buckets):
         raise ConfigError(f"data.max_prompt_len {c.data.max_prompt_len} exceeds the largest "
                           f"prompt bucket {max(c.data.prompt_buckets)}")
+    if c.reward.overlong_buffer > c.rollout.max_new_tokens:
+        raise ConfigError(f"reward.overlong_buffer {c.reward.overlong_buffer} exceeds "
+                          f"rollout.max_new_tokens {c.rollout.max_new_tokens}")
+    if 0 < c.loss.clip_ratio_c <= 1:
+        raise ConfigError(f"loss.clip_ratio_c must be 0 (off) or > 1, got {c.loss.clip_ratio_c}")
     if c.loss.agg_mode not in objective.AGG_MODES:
         raise ConfigError(f"loss.agg_mode {c.loss.agg_mode!r} is not one of {objective.AGG_MODES}")
     if c.reward.fn not in rewards.REWARD_FNS:
@@ -50,17 +112,8 @@ def check_config(c: ml_collections.ConfigDict) -> None:
     if c.filter.metric not in dynamic_sampling.FILTER_METRICS:
         raise ConfigError(f"filter.metric {c.filter.metric!r} is not one of "
                           f"{dynamic_sampling.FILTER_METRICS}")
-    if c.filter.max_num_gen_batches < 0:
-        raise ConfigError(f"filter.max_num_gen_batches must be >= 0 (0: no bound), got "
-                          f"{c.filter.max_num_gen_batches}")
-    if c.optim.warmup_rollout_steps < 0:
-        raise ConfigError(f"optim.warmup_rollout_steps must be >= 0, got "
-                          f"{c.optim.warmup_rollout_steps}")
     if c.filter.on_exhausted not in ("mask", "raise"):
         raise ConfigError(f"filter.on_exhausted must be 'mask' or 'raise', got {c.filter.on_exhausted!r}")
-    if c.model.attention_chunk < 0:
-        raise ConfigError(f"model.attention_chunk must be >= 0 (0: one block), got "
-                          f"{c.model.attention_chunk}")
     t, g = c.train, c.rollout.group_size
     if t.train_batch_prompts % t.mini_batch_prompts:
         raise ConfigError(f"train.train_batch_prompts {t.train_batch_prompts} is not a multiple "

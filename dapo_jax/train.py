@@ -8,10 +8,13 @@ One step (spec sections 1-5):
   3. log pi_old (and log pi_ref when β > 0) once, then `train_batch / mini_batch` AdamW updates;
   4. metrics (console, JSONL, TensorBoard), a checkpoint and an evaluation on their schedules.
 
-A run resumes by itself from the latest complete checkpoint in its workdir, and a resumed run
-continues exactly as the uninterrupted one would have: the step's PRNG key is derived from the seed
-and the step, and the data order and the filter's carried groups are in the checkpoint. SIGTERM
-(TPU preemption) finishes the step, saves and exits. A non-finite loss or gradient skips the update;
+A run resumes by itself from the newest checkpoint in its workdir that restores (a damaged newer
+one is skipped with a warning), and a resumed run continues exactly as the uninterrupted one would
+have: the step's PRNG key is derived from the seed and the step, and the data order and the
+filter's carried groups are in the checkpoint. SIGTERM (TPU preemption) finishes the step, saves
+and exits with status 75 (`PREEMPTED`, EX_TEMPFAIL), so that a supervisor or requeue script
+tells a preempted run (restart it) from a finished one (0) and a bad config (2).
+A non-finite loss or gradient skips the update;
 `max_consecutive_nonfinite` of them in a row stop the run with a checkpoint of the last good state.
 Run it from the repository root (the config files import `configs.common`).
 """
@@ -34,7 +37,10 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from dapo_jax import checkpoint, hf_io, metrics, objective, plot, rollout, sharding, train_step
-from dapo_jax.run import ConfigError, Run, build, check_config
+from dapo_jax.errors import CheckpointError
+from dapo_jax.run import ConfigError, Run, build, check_config, check_workdir
+
+PREEMPTED = 75  # exit status after SIGTERM's checkpoint (EX_TEMPFAIL: requeue me)
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/FILE.py:VARIANT",
                                           lock_config=True)
@@ -145,15 +151,16 @@ def _export(run: Run) -> str:
 
 
 def _restore_or_start(run: Run, ckpt: checkpoint.Checkpointer) -> tuple[int, int]:
-    """Sets `run.state` from the latest checkpoint (and the data order and the filter's carry),
-    or from the base model. Returns (last completed step, non-finite updates in a row)."""
+    """Sets `run.state` from the newest checkpoint that restores (and the data order and the
+    filter's carry), or from the base model. Returns (last completed step, non-finite updates in
+    a row)."""
     c = run.config
-    start = ckpt.latest_step()
-    if start is None:
+    restored = ckpt.restore_latest(run.abstract_state())
+    if restored is None:
         params = hf_io.load_params(c.model.path, run.model, run.mesh)
         run.state = train_step.init_train_state(run.model, run.optimizer, run.mesh, params)
         return 0, 0
-    run.state, host = ckpt.restore(start, run.abstract_state())
+    start, run.state, host = restored
     if int(host["seed"]) != c.seed:
         raise ConfigError(f"{run.workdir} holds a run with seed {int(host['seed'])}, not {c.seed}")
     run.train_prompts.restore(host["data"])
@@ -203,6 +210,7 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict:
     """Run (or resume) the configured training in `workdir`; returns the last step's metrics
     (with `export_dir` when this call trained)."""
     check_config(c)
+    check_workdir(workdir)
     os.makedirs(workdir, exist_ok=True)
     run = build(c, workdir)
     ckpt = checkpoint.Checkpointer(workdir, keep=c.checkpoint.keep,
@@ -239,7 +247,7 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict:
                     f"step {step}: {nonfinite_run} updates in a row had a non-finite loss or "
                     f"gradient; the last good state is checkpointed in {ckpt.directory}")
             if preemption.requested:
-                sys.exit(0)  # `finally` waits for the checkpoint to be written
+                sys.exit(PREEMPTED)  # `finally` waits for the checkpoint to be written
         writer.close()
         if c.train.steps > start:
             summary["export_dir"] = _export(run)
@@ -325,7 +333,7 @@ def main(argv):
         raise app.UsageError("--config and --workdir are required")
     try:
         summary = train(_CONFIG.value, _WORKDIR.value)
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, CheckpointError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     if jax.process_index() == 0:

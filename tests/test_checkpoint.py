@@ -1,11 +1,17 @@
-"""Orbax checkpoints: sharded state and host state round-trip; keep-last-N; only complete steps."""
+"""Orbax checkpoints: sharded state and host state round-trip; keep-last-N; only complete steps;
+a damaged latest checkpoint is skipped, temporary folders are cleaned."""
+
+import logging
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dapo_jax import checkpoint, sharding
+from dapo_jax.errors import CheckpointError
 
 
 def _state(mesh, offset):
@@ -44,3 +50,68 @@ def test_a_new_manager_sees_the_saved_steps(tmp_path):
     first.save(5, _state(mesh, 5), {"n": np.int64(1)})
     first.close()
     assert checkpoint.Checkpointer(str(tmp_path)).latest_step() == 5
+
+
+def _truncate_files(folder):
+    """Cuts every file under `folder` to half its size, as a save cut by preemption leaves it."""
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "r+b") as f:
+                f.truncate(os.path.getsize(path) // 2)
+
+
+def test_a_damaged_latest_checkpoint_is_skipped_and_temporary_folders_cleaned(tmp_path, caplog):
+    mesh = sharding.make_mesh({"fsdp": -1})
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                            _state(mesh, 0))
+    first = checkpoint.Checkpointer(str(tmp_path), keep=3, asynchronous=False)
+    for step in (1, 2):
+        first.save(step, _state(mesh, step), {"n": np.int64(step)})
+    first.close()
+    leftover = tmp_path / "checkpoints" / "3.orbax-checkpoint-tmp-1700000000"
+    leftover.mkdir()
+    _truncate_files(tmp_path / "checkpoints" / "2")
+    ckpt = checkpoint.Checkpointer(str(tmp_path), keep=3, asynchronous=False)
+    with caplog.at_level(logging.WARNING):
+        step, state, host = ckpt.restore_latest(abstract)
+    assert (step, int(host["n"])) == (1, 1)
+    np.testing.assert_array_equal(np.asarray(state["params"]["w"]),
+                                  np.arange(16.0).reshape(8, 2) + 1)
+    assert any("checkpoint 2 in" in r.getMessage() and "cannot be restored, skipped: " in
+               r.getMessage() for r in caplog.records)
+    assert ckpt.all_steps() == [1]  # the damaged one is gone: the resumed run saves step 2 again
+    ckpt.save(2, _state(mesh, 2), {"n": np.int64(2)})
+    ckpt.close()
+    assert not leftover.exists()
+
+
+def test_no_checkpoint_that_restores_is_one_error_naming_each(tmp_path):
+    mesh = sharding.make_mesh({"fsdp": -1})
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                            _state(mesh, 0))
+    ckpt = checkpoint.Checkpointer(str(tmp_path), asynchronous=False)
+    assert ckpt.restore_latest(abstract) is None  # an empty folder: a fresh start
+    for step in (1, 2):
+        ckpt.save(step, _state(mesh, step), {"n": np.int64(step)})
+        _truncate_files(tmp_path / "checkpoints" / str(step))
+    with pytest.raises(CheckpointError, match=r"^no checkpoint in .* restores: 2 \(.*\); 1 \("):
+        ckpt.restore_latest(abstract)
+    ckpt.close()
+
+
+def test_a_gs_workdir_stays_a_url(monkeypatch):
+    opened = []
+    monkeypatch.setattr(checkpoint.ocp, "CheckpointManager",
+                        lambda directory, **kwargs: opened.append(directory))
+    checkpoint.Checkpointer("gs://bucket/run1")
+    checkpoint.Checkpointer("runs/local")
+    assert [str(d) for d in opened] == ["gs://bucket/run1/checkpoints",
+                                        os.path.join(os.getcwd(), "runs/local/checkpoints")]
+
+
+def test_installing_needs_python_3_11():
+    """pip refuses the package on Python 3.10 with "requires a different Python: ... not in
+    '>=3.11'", from this field."""
+    setup = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "setup.py")).read()
+    assert 'python_requires=">=3.11"' in setup

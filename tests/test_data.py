@@ -131,7 +131,7 @@ def test_rows_that_quote_the_template_inexactly_are_counted(tmp_path, caplog):
 
 
 def test_missing_path_and_empty_file(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nowhere.parquet"):
+    with pytest.raises(data.DataFileError, match="nowhere.parquet' does not exist"):
         data.load_prompts(str(tmp_path / "nowhere.parquet"), char_tokenizer(), 8)
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{}\n")

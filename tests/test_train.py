@@ -1,6 +1,7 @@
 """The training run end to end: resume after SIGKILL equals an uninterrupted run, SIGTERM saves,
 bad configs fail in one line before compiling, and non-finite updates are skipped and stop the run."""
 
+import logging
 import math
 import os
 import signal
@@ -58,8 +59,8 @@ def test_resume_after_sigkill_and_sigterm_equals_uninterrupted_run(tmp_path):
     proc.wait()
     proc = _start(interrupted, *flags)
     _wait_for_step(proc, interrupted, 3)
-    proc.send_signal(signal.SIGTERM)  # preemption: finish the step, save, exit cleanly
-    assert proc.wait(timeout=300) == 0
+    proc.send_signal(signal.SIGTERM)  # preemption: finish the step, save, exit "requeue me"
+    assert proc.wait(timeout=300) == train.PREEMPTED == 75
     saved = checkpoint.Checkpointer(interrupted).latest_step()
     assert saved == max(r["step"] for r in metrics.read_jsonl(os.path.join(interrupted, metrics.JSONL)))
     proc = _start(interrupted, *flags)
@@ -79,14 +80,40 @@ def test_resume_after_sigkill_and_sigterm_equals_uninterrupted_run(tmp_path):
     ("--config.data.train_files=('/no/such/train.parquet',)",
      "data file '/no/such/train.parquet' does not exist"),
     ("--config.model.path=/no/such/model", "'/no/such/model/config.json' does not exist"),
+    ("--config.train.steps=-3", "train.steps must be in [1, inf), got -3"),
+    ("--config.data.train_files=('{tmp}/a b.parquet',)",
+     "data file '{tmp}/a b.parquet' is not a readable parquet file"),
 ])
 def test_bad_config_is_one_line_before_compiling(flag, message, tmp_path):
+    (tmp_path / "a b.parquet").write_text("not parquet")
+    flag, message = flag.format(tmp=tmp_path), message.format(tmp=tmp_path)
     out = subprocess.run(_cli(str(tmp_path / "run"), flag), cwd=ROOT, capture_output=True,
                          text=True, timeout=300)
     lines = [l for l in out.stderr.splitlines() if not l[:1] in "WI" or l.startswith("error")]
     assert out.returncode == 2
     assert lines == [lines[-1]] and lines[-1].startswith("error: ") and message in lines[-1]
     assert not os.path.exists(tmp_path / "run" / "checkpoints")
+
+
+def test_a_damaged_latest_checkpoint_is_skipped_and_every_step_logged_once(tmp_path, capsys,
+                                                                          caplog):
+    config = small(dapo.get_config("tiny"), train__steps=2, checkpoint__asynchronous=False)
+    workdir = str(tmp_path)
+    train.train(config, workdir)
+    assert checkpoint.Checkpointer(workdir).all_steps() == [1, 2]
+    for root, _, files in os.walk(os.path.join(workdir, "checkpoints", "2")):
+        for name in files:  # what a save cut by preemption leaves: every file cut in half
+            path = os.path.join(root, name)
+            os.truncate(path, os.path.getsize(path) // 2)
+    capsys.readouterr()
+    with caplog.at_level(logging.WARNING):
+        train.train(config, workdir)
+    assert "at step 1" in capsys.readouterr().out
+    assert any(r.getMessage().startswith("checkpoint 2 in ") and "cannot be restored" in
+               r.getMessage() for r in caplog.records)
+    steps = [r["step"] for r in metrics.read_jsonl(os.path.join(workdir, metrics.JSONL))]
+    assert steps == [1, 2]
+    assert checkpoint.Checkpointer(workdir).all_steps() == [1, 2]
 
 
 def test_nonfinite_updates_are_skipped_then_the_run_stops_with_a_checkpoint(tmp_path, monkeypatch):
