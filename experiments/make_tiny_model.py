@@ -1,14 +1,18 @@
-"""Build the tiny base model that the project ships: a character-level tokenizer and a ~0.9M-parameter
-Qwen2, supervised briefly on worked solutions of the synthetic arithmetic task (dapo_jax.synthetic).
+"""Build the tiny base model that the project ships: a character-level tokenizer and a ~0.8M-parameter
+Qwen2, supervised on worked solutions of the synthetic arithmetic task (dapo_jax.synthetic).
 
-SFT is stopped early on purpose: the model must solve easy problems and fail hard ones, so that the
-RL run has groups with signal to learn from. It writes a Hugging Face model directory (config.json,
-model.safetensors, tokenizer) that `hf_io.load_params` and transformers both load.
+Two stages, so that RL has something to find (issue: a base model with headroom):
 
-    python experiments/make_tiny_model.py --out assets/tiny-qwen2 --steps 1000
+    python experiments/make_tiny_model.py --out /tmp/careful --steps 1000
+    python experiments/make_tiny_model.py --init /tmp/careful --out assets/tiny-qwen2 \
+        --steps 150 --lr 5e-4 --direct_fraction 0.5
 
-(about 23 minutes on 2 CPU cores; held-out avg@4 0.82 at T=1, top_p 0.7, from a train-sampling
-accuracy of about 0.6 at T=1, top_p 1: hard problems with 5-6 operands still fail often).
+The first (about 15-23 minutes on 2 CPU cores) learns to work one operation a line: held-out
+avg@4 0.66 at T = 1 (0.84 at top_p 0.7). The second (about 2 minutes) continues on a mix in which
+half the solutions give the answer at once (`with_direct_answers`): the model then starts with either
+style, and held-out avg@4 at T = 1 is 0.32. DAPO finds out that working pays. It writes a Hugging Face
+model directory (config.json, model.safetensors, tokenizer) that `hf_io.load_params` and
+transformers both load.
 """
 
 import argparse
