@@ -9,6 +9,8 @@ after the other so that a partial study already has whole tables, each run in
 WORKDIR/ROW/seedS; then the SFT control (WORKDIR/sft_control/seedS, `sft_control`). A finished
 run is skipped and an interrupted one resumes (`dapo_jax.train` does both). `--quick` shrinks
 every run to the file's QUICK overrides (a test checks the table and the figures that way).
+The config file (`--config_file`, configs/ablation.py) defines ROW_NAMES, get_config,
+PAPER_AIME24, QUICK and SFT.
 
 On TPU slices, `--scale=qwen2_5_32b` is the same study: one row a slice, e.g. `--rows=clip_higher
 --seeds=0` on each slice with one shared `gs://` workdir, then `report` on any machine that sees it.
@@ -22,7 +24,6 @@ truncation, and the steps and samples it took to reach a common accuracy) and th
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import time
@@ -33,22 +34,10 @@ import numpy as np
 import optax
 
 from dapo_jax import hf_io, metrics, sft, train, train_step
-from dapo_jax.run import build
+from dapo_jax.run import build, load_config_file
 
 SFT_CONTROL = "sft_control"
 STUDY_FILE = "study.json"  # what `run` was asked for; `report` reads it
-
-
-def load_config_file(path: str):
-    """The config module at `path` (configs/ablation.py), loaded by path: configs are data the
-    library never imports as a package. Must define ROW_NAMES, get_config, PAPER_AIME24, QUICK
-    and SFT."""
-    spec = importlib.util.spec_from_file_location("_ablation_config", path)
-    if spec is None or not os.path.isfile(path):
-        raise FileNotFoundError(f"ablation config file {path} does not exist")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def row_config(module, row: str, scale: str, seed: int, quick: bool) -> ml_collections.ConfigDict:
@@ -168,6 +157,12 @@ def _curve(records: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
     return (np.array([p[0] for p in pts]), np.array([p[1] for p in pts], float))
 
 
+def _generated(records: list[dict], group_size: int) -> np.ndarray:
+    """Responses generated up to and including each record's step (prompts consumed x G)."""
+    return np.cumsum([r.get("dynamic_sampling/prompts_consumed", 0) * group_size
+                      for r in records], dtype=np.int64)
+
+
 def run_summary(records: list[dict], group_size: int) -> dict:
     """One run's row of figures: held-out accuracy before and after, responses generated, the
     mean clip fractions, entropy over the last quarter of steps, the truncated fraction of all
@@ -177,8 +172,7 @@ def run_summary(records: list[dict], group_size: int) -> dict:
     steps = [r for r in records if "before_filter/acc_mean" in r]
     mean = lambda k, rs: float(np.mean([r[k] for r in rs if k in r])) if any(
         k in r for r in rs) else float("nan")
-    generated = np.cumsum([r.get("dynamic_sampling/prompts_consumed", 0) * group_size
-                           for r in records])
+    generated = _generated(records, group_size)
     last_quarter = steps[len(steps) - max(len(steps) // 4, 1):]
     return {
         "before": evals[0][key] if evals else float("nan"),
@@ -306,9 +300,8 @@ def _plot(figure, runs: dict, group_size: int, out_dir: str) -> None:
                 k = _avg_key(records) if key.endswith("@") else key
                 steps, values = _curve(records, k) if k else (np.zeros(0), np.zeros(0))
                 if x_axis == "generated":
-                    generated = {r["step"]: g for r, g in zip(records, np.cumsum(
-                        [r.get("dynamic_sampling/prompts_consumed", 0) * group_size
-                         for r in records]))}
+                    generated = dict(zip([r["step"] for r in records],
+                                         _generated(records, group_size)))
                     steps = np.array([generated[s] for s in steps])
                 curves.append((steps, values))
             if not curves:
@@ -335,7 +328,8 @@ def main(argv=None):
     run_p.add_argument("--config_file", default="configs/ablation.py")
     run_p.add_argument("--scale", default="tiny", help="a variant of configs/dapo.py")
     run_p.add_argument("--seeds", type=int, default=3, help="seeds 0 .. N-1")
-    run_p.add_argument("--seed_list", default=None, help="explicit seeds, e.g. 3,4 (overrides --seeds)")
+    run_p.add_argument("--seed_list", default=None,
+                       help="explicit seeds, e.g. 3,4 (overrides --seeds)")
     run_p.add_argument("--rows", default=None, help="comma-separated rows (default: all)")
     run_p.add_argument("--workdir", required=True)
     run_p.add_argument("--quick", action="store_true", help="the file's QUICK overrides")

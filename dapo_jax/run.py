@@ -7,6 +7,7 @@ Every knob comes from the config (configs/*.py); nothing here has a default of i
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 
 import jax
@@ -173,6 +174,17 @@ class Run:
         return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                             abstract, train_step.state_shardings(self.model, self.optimizer,
                                                                  self.mesh))
+
+
+def load_config_file(path: str):
+    """The config module at `path` (a configs/*.py file), loaded by path: configs are data that
+    the library never imports as a package."""
+    spec = importlib.util.spec_from_file_location("_dapo_config", path)
+    if spec is None or not os.path.isfile(path):
+        raise FileNotFoundError(f"config file {path} does not exist")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def learning_rate_schedule(c: ml_collections.ConfigDict):

@@ -21,7 +21,6 @@ Run it from the repository root (the config files import `configs.common`).
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import shutil
@@ -38,7 +37,7 @@ from ml_collections import config_flags
 
 from dapo_jax import checkpoint, hf_io, metrics, objective, plot, rollout, sharding, train_step
 from dapo_jax.errors import CheckpointError
-from dapo_jax.run import ConfigError, Run, build, check_config, check_workdir
+from dapo_jax.run import ConfigError, Run, build, check_config, check_workdir, load_config_file
 
 PREEMPTED = 75  # exit status after SIGTERM's checkpoint (EX_TEMPFAIL: requeue me)
 
@@ -300,9 +299,7 @@ def _config_without_overrides(argv) -> ml_collections.ConfigDict | None:
         return None
     path, _, arg = spec.partition(":")
     try:
-        module_spec = importlib.util.spec_from_file_location("_dapo_config", path)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
+        module = load_config_file(path)
         return module.get_config(arg) if arg else module.get_config()
     except Exception:  # noqa: BLE001 - the original error is reported instead
         return None
