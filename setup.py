@@ -28,5 +28,6 @@ setuptools.setup(
         # torch is only the reference implementation in parity tests; 2.13.0 is the CPU wheel.
         "test": ["pytest>=8,<10", "torch==2.13.0", "math-verify>=0.9,<1"],
         "tpu": ["jax[tpu]>=0.10.2,<0.11"],
+        "gpu": ["jax[cuda12]>=0.10.2,<0.11"],  # NVIDIA GPUs: tpu_setup/README.md, "GPUs"
     },
 )
