@@ -26,6 +26,7 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 import time
 
 import jax
@@ -35,7 +36,8 @@ import tqdm
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from dapo_jax import checkpoint, hf_io, metrics, objective, plot, rollout, sharding, train_step
+from dapo_jax import (checkpoint, hf_io, metrics, objective, paths, plot, rollout, sharding,
+                      train_step)
 from dapo_jax.errors import CheckpointError
 from dapo_jax.run import ConfigError, Run, build, check_config, check_workdir, load_config_file
 
@@ -137,8 +139,21 @@ def evaluate(run: Run, step: int) -> dict:
 
 
 def _export(run: Run) -> str:
-    """The policy as a Hugging Face model directory (weights, config, tokenizer) in the workdir."""
-    out = os.path.join(run.workdir, "export")
+    """The policy as a Hugging Face model directory (weights, config, tokenizer) in the workdir:
+    written to a local folder and checked there, then copied through the path layer when the
+    workdir is a URL."""
+    dest = paths.run_path(run.workdir) / "export"
+    if not paths.is_url(run.workdir):
+        _write_export(run, str(dest))
+        return str(dest)
+    with tempfile.TemporaryDirectory(prefix="dapo-export-") as local:
+        _write_export(run, local)
+        if jax.process_index() == 0:
+            paths.upload_tree(local, dest)
+    return str(dest)
+
+
+def _write_export(run: Run, out: str) -> None:
     hf_io.save_params(run.state.params, run.hf_config, out, dtype=run.config.export.dtype)
     if jax.process_index() == 0:
         run.tokenizer.save_pretrained(out)
@@ -146,7 +161,6 @@ def _export(run: Run) -> str:
         if os.path.isfile(gen):
             shutil.copy(gen, out)
         hf_io.check_model_folder(out)  # what a load of the export checks, before anyone loads it
-    return out
 
 
 def _restore_or_start(run: Run, ckpt: checkpoint.Checkpointer) -> tuple[int, int]:
@@ -210,7 +224,7 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict:
     (with `export_dir` when this call trained)."""
     check_config(c)
     check_workdir(workdir)
-    os.makedirs(workdir, exist_ok=True)
+    paths.run_path(workdir).mkdir(parents=True, exist_ok=True)  # gs:// stays a URL
     run = build(c, workdir)
     ckpt = checkpoint.Checkpointer(workdir, keep=c.checkpoint.keep,
                                    asynchronous=c.checkpoint.asynchronous)
@@ -339,12 +353,13 @@ def main(argv):
 
 def _report(workdir: str, summary: dict) -> None:
     """Plots the run's curves and prints held-out accuracy before and after, and where things are."""
-    path = os.path.join(workdir, metrics.JSONL)
-    if not os.path.isfile(path):
+    root = paths.run_path(workdir)
+    path = root / metrics.JSONL
+    if not path.is_file():
         return
     if not summary:
         print(f"{workdir} has already finished its {_CONFIG.value.train.steps} steps")
-    curves = plot.plot_runs([workdir], os.path.join(workdir, "plots"))
+    plot.plot_runs([workdir], str(root / "plots"))
     evals = [r for r in metrics.read_jsonl(path) if any(k.startswith("eval/") for k in r)]
     if evals:
         print(f"held-out accuracy before (step {evals[0]['step']}): {_eval_text(evals[0])}")
@@ -352,9 +367,9 @@ def _report(workdir: str, summary: dict) -> None:
         gain = _gain_text(evals[0], evals[-1]) if len(evals) > 1 else None
         if gain:
             print(gain)
-    print(f"curves: {os.path.dirname(curves[0])}")
-    export = os.path.join(workdir, "export")
-    if os.path.isdir(export):
+    print(f"curves: {root / 'plots'}")
+    export = root / "export"
+    if export.is_dir():
         print(f"exported model: {export}")
 
 
