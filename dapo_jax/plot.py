@@ -82,7 +82,8 @@ def main(argv=None):
     parser.add_argument("workdirs", nargs="+")
     parser.add_argument("--out", default=None, help="default: <first workdir>/plots")
     args = parser.parse_args(argv)
-    for path in plot_runs(args.workdirs, args.out or str(paths.run_path(args.workdirs[0]) / "plots")):
+    out = args.out or str(paths.run_path(args.workdirs[0]) / "plots")
+    for path in plot_runs(args.workdirs, out):
         print(path)
 
 
