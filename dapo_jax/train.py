@@ -15,9 +15,10 @@ filter's carried groups are in the checkpoint. SIGTERM (TPU preemption) finishes
 and exits with status 75 (`PREEMPTED`, EX_TEMPFAIL), so that a supervisor or requeue script
 tells a preempted run (restart it) from a finished one (0) and a bad config (2). On a pod the
 hosts see the signal at different steps: after every step they all-gather their flags, so that
-all of them save at the same step and stop. When another process dies, the survivors stop with
-a message naming it (`_peer_failure`, within `--heartbeat_timeout` seconds) instead of hanging
-in a collective; relaunching all of them resumes from the last complete checkpoint.
+all of them save at the same step and stop. When another process dies, JAX's coordination
+service ends the survivors within `--heartbeat_timeout` seconds with a message naming it
+(`_peer_failure` says so first where a collective fails with an error) instead of leaving them
+hanging in a collective; relaunching all of them resumes from the last complete checkpoint.
 A non-finite loss or gradient skips the update;
 `max_consecutive_nonfinite` of them in a row stop the run with a checkpoint of the last good state.
 Run it from the repository root (the config files import `configs.common`).
@@ -158,7 +159,10 @@ def _peer_failure(error: Exception, run: Run) -> None:
     print(f"error: process {me}: a collective with the other processes failed ({reason}); "
           f"waiting up to --heartbeat_timeout for the coordination service to name the dead "
           "process", file=sys.stderr, flush=True)
-    run.scorer.close()
+    try:
+        run.scorer.close()
+    except Exception:  # noqa: BLE001 - exiting anyway; the reward workers end with this process
+        pass
     try:
         alive = distributed.global_state.client.get_live_nodes(list(range(n)))
         dead = sorted(set(range(n)) - set(alive))
