@@ -27,6 +27,9 @@ setuptools.setup(
     extras_require={
         # torch is only the reference implementation in parity tests; 2.13.0 is the CPU wheel.
         "test": ["pytest>=8,<10", "torch==2.13.0", "math-verify>=0.9,<1"],
-        "tpu": ["jax[tpu]>=0.10.2,<0.11"],
+        # gcsfs: etils.epath (metrics, events, plots, export, orbax's folders) opens gs:// with it.
+        "gcs": ["gcsfs>=2024.2"],
+        "tpu": ["jax[tpu]>=0.10.2,<0.11", "gcsfs>=2024.2"],
+        "gpu": ["jax[cuda12]>=0.10.2,<0.11", "gcsfs>=2024.2"],  # tpu_setup/README.md, "GPUs"
     },
 )

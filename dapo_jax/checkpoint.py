@@ -27,13 +27,15 @@ from dapo_jax.errors import CheckpointError
 
 
 class Checkpointer:
-    """Keep-last-N asynchronous checkpoints under `<workdir>/checkpoints`."""
+    """Keep-last-N asynchronous checkpoints under `<workdir>/checkpoints`, or `directory`."""
 
-    def __init__(self, workdir: str, *, keep: int = 3, asynchronous: bool = True):
+    def __init__(self, workdir: str, *, keep: int = 3, asynchronous: bool = True,
+                 directory: str | None = None):
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, enable_async_checkpointing=asynchronous,
             cleanup_tmp_directories=True)
-        self.directory = paths.run_path(workdir) / "checkpoints"  # gs:// stays a URL
+        self.directory = (paths.run_path(directory) if directory  # gs:// stays a URL
+                          else paths.run_path(workdir) / "checkpoints")
         self._manager = ocp.CheckpointManager(self.directory, options=options,
                                               item_names=("state", "host", "meta"))
 

@@ -1,17 +1,20 @@
 """Run metrics to TensorBoard event files, to `<workdir>/metrics.jsonl` and as a console line.
 
 Only process 0 writes. On resume the records past the restored step are dropped from the JSONL
-file and purged from TensorBoard, so the curves of a resumed run have no duplicated steps.
+file and purged from TensorBoard, so the curves of a resumed run have no duplicated steps. Every
+file goes through `dapo_jax.paths` (etils.epath), so a `gs://` workdir works unchanged: the JSONL
+file is rewritten whole at each step (object stores cannot append; a run's file is small).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 
 import jax
 import tensorboardX
+
+from dapo_jax import paths
 
 JSONL = "metrics.jsonl"
 
@@ -29,15 +32,15 @@ CONSOLE = (
 )
 
 
-def read_jsonl(path: str) -> list[dict]:
-    """Records of a metrics.jsonl file; a line cut short by a killed run is ignored."""
+def read_jsonl(path) -> list[dict]:
+    """Records of a metrics.jsonl file (a local path or a URL); a line cut short by a killed run
+    is ignored."""
     records = []
-    with open(path) as f:
-        for line in f:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+    for line in paths.run_path(path).read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
     return records
 
 
@@ -58,15 +61,16 @@ class MetricsWriter:
         self.enabled = jax.process_index() == 0
         if not self.enabled:
             return
-        os.makedirs(workdir, exist_ok=True)
-        self.path = os.path.join(workdir, JSONL)
-        if resume_step is not None and os.path.exists(self.path):
-            kept = [r for r in read_jsonl(self.path) if r["step"] <= resume_step]
-            with open(self.path, "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in kept)
+        root = paths.run_path(workdir)
+        root.mkdir(parents=True, exist_ok=True)
+        self.path = root / JSONL
+        self._lines = []  # the file's records, as its lines
+        if self.path.exists():
+            self._lines = [json.dumps(r) + "\n" for r in read_jsonl(self.path)
+                           if resume_step is None or r["step"] <= resume_step]
         purge = None if resume_step is None else resume_step + 1
-        self._tb = tensorboardX.SummaryWriter(os.path.join(workdir, "tensorboard"), purge_step=purge)
-        self._jsonl = open(self.path, "a")
+        paths.tensorboard_writers()
+        self._tb = tensorboardX.SummaryWriter(str(root / "tensorboard"), purge_step=purge)
 
     def write(self, step: int, metrics: dict) -> None:
         if not self.enabled:
@@ -76,11 +80,10 @@ class MetricsWriter:
             if math.isfinite(value):
                 self._tb.add_scalar(key, value, step)
         record = {"step": step, **{k: (v if math.isfinite(v) else str(v)) for k, v in scalars.items()}}
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()
+        self._lines.append(json.dumps(record) + "\n")
+        paths.write_text_atomic(self.path, "".join(self._lines))
         self._tb.flush()
 
     def close(self) -> None:
         if self.enabled:
-            self._jsonl.close()
             self._tb.close()

@@ -8,13 +8,13 @@ for comparison, plus `curves.png` with every panel.
 from __future__ import annotations
 
 import argparse
-import os
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from dapo_jax import paths  # noqa: E402
 from dapo_jax.metrics import JSONL, read_jsonl  # noqa: E402
 
 PANELS = (
@@ -38,15 +38,24 @@ def _series(records: list[dict], prefix: str) -> dict[str, list]:
     return out
 
 
+def _save(fig, path, dpi: int) -> None:
+    """`fig` as a PNG at `path` (an epath: a local file or a URL)."""
+    with path.open("wb") as f:
+        fig.savefig(f, format="png", dpi=dpi)
+    plt.close(fig)
+
+
 def plot_runs(workdirs: list[str], out_dir: str) -> list[str]:
-    """Write the panels' PNGs for `workdirs` into `out_dir`; returns the paths written."""
+    """Write the panels' PNGs for `workdirs` (local folders or URLs) into `out_dir`; returns the
+    paths written."""
     runs = {}
     for w in workdirs:
-        path = os.path.join(w, JSONL)
-        if not os.path.isfile(path):
+        path = paths.run_path(w) / JSONL
+        if not path.is_file():
             raise FileNotFoundError(f"{path} does not exist: is {w} a dapo_jax workdir?")
-        runs[os.path.basename(os.path.normpath(w))] = read_jsonl(path)
-    os.makedirs(out_dir, exist_ok=True)
+        runs[paths.run_path(w).name] = read_jsonl(path)
+    out = paths.run_path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     written = []
     fig_all, axes_all = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 3.6))
     for (name, keys, title), ax_all in zip(PANELS, axes_all):
@@ -60,16 +69,12 @@ def plot_runs(workdirs: list[str], out_dir: str) -> list[str]:
             axis.set_xlabel("step")
             if axis.lines:
                 axis.legend(fontsize=7)
-        path = os.path.join(out_dir, f"{name}.png")
         fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
-    path = os.path.join(out_dir, "curves.png")
+        _save(fig, out / f"{name}.png", 100)
+        written.append(str(out / f"{name}.png"))
     fig_all.tight_layout()
-    fig_all.savefig(path, dpi=80)
-    plt.close(fig_all)
-    return written + [path]
+    _save(fig_all, out / "curves.png", 80)
+    return written + [str(out / "curves.png")]
 
 
 def main(argv=None):
@@ -77,7 +82,8 @@ def main(argv=None):
     parser.add_argument("workdirs", nargs="+")
     parser.add_argument("--out", default=None, help="default: <first workdir>/plots")
     args = parser.parse_args(argv)
-    for path in plot_runs(args.workdirs, args.out or os.path.join(args.workdirs[0], "plots")):
+    out = args.out or str(paths.run_path(args.workdirs[0]) / "plots")
+    for path in plot_runs(args.workdirs, out):
         print(path)
 
 

@@ -13,7 +13,12 @@ one is skipped with a warning), and a resumed run continues exactly as the unint
 have: the step's PRNG key is derived from the seed and the step, and the data order and the
 filter's carried groups are in the checkpoint. SIGTERM (TPU preemption) finishes the step, saves
 and exits with status 75 (`PREEMPTED`, EX_TEMPFAIL), so that a supervisor or requeue script
-tells a preempted run (restart it) from a finished one (0) and a bad config (2).
+tells a preempted run (restart it) from a finished one (0) and a bad config (2). On a pod the
+hosts see the signal at different steps: after every step they all-gather their flags, so that
+all of them save at the same step and stop. When another process dies, JAX's coordination
+service ends the survivors within `--heartbeat_timeout` seconds with a message naming it
+(`_peer_failure` says so first where a collective fails with an error) instead of leaving them
+hanging in a collective; relaunching all of them resumes from the last complete checkpoint.
 A non-finite loss or gradient skips the update;
 `max_consecutive_nonfinite` of them in a row stop the run with a checkpoint of the last good state.
 Run it from the repository root (the config files import `configs.common`).
@@ -26,6 +31,7 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 import time
 
 import jax
@@ -33,9 +39,11 @@ import ml_collections
 import numpy as np
 import tqdm
 from absl import app, flags, logging
+from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
-from dapo_jax import checkpoint, hf_io, metrics, objective, plot, rollout, sharding, train_step
+from dapo_jax import (checkpoint, hf_io, metrics, objective, paths, plot, rollout, sharding,
+                      train_step)
 from dapo_jax.errors import CheckpointError
 from dapo_jax.run import ConfigError, Run, build, check_config, check_workdir, load_config_file
 
@@ -50,6 +58,12 @@ _COORDINATOR = flags.DEFINE_string(
     "cluster by itself (it does on TPU pods and SLURM)")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "with --coordinator: how many")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "with --coordinator: this one's, 0-based")
+_HEARTBEAT = flags.DEFINE_integer(
+    "heartbeat_timeout", 100, "with --multihost: seconds without a heartbeat after which JAX's "
+    "coordination service declares a process dead and the others stop", lower_bound=1)
+_CHECKPOINT_DIR = flags.DEFINE_string(
+    "checkpoint_dir", None, "where the checkpoints are (default WORKDIR/checkpoints): a folder "
+    "every process sees, e.g. gs://..., when the processes' workdirs are apart")
 
 
 def _rollout_arrays(batch: dict, group_size: int, normalize_std: bool, length_bucket: int) -> dict:
@@ -123,6 +137,44 @@ class _Preemption:
         logging.warning("SIGTERM: saving a checkpoint after this step, then exiting")
         self.requested = True
 
+    def agreed(self) -> bool:
+        """Whether any process has had a SIGTERM: every process calls this once per step and
+        gets the same answer (an all-gather of the flags), so that all save at the same step."""
+        if jax.process_count() == 1:
+            return self.requested
+        flags_P = multihost_utils.process_allgather(np.int32(self.requested))
+        return bool(np.asarray(flags_P).any())
+
+
+def _peer_failure(error: Exception, run: Run) -> None:
+    """A collective of a multi-process run failed: most likely another process died. Says so,
+    waits for JAX's coordination service to name the dead process(es) (it declares a process
+    dead after --heartbeat_timeout seconds without a heartbeat, and may itself end this process
+    first with "The following tasks are unhealthy ... : N"), then exits with status 1 without
+    running the shutdown barrier that would wait for the dead one."""
+    from jax._src import distributed  # the client of jax.distributed.initialize
+
+    me, n = jax.process_index(), jax.process_count()
+    reason = " ".join(str(error).split())[:300]
+    print(f"error: process {me}: a collective with the other processes failed ({reason}); "
+          f"waiting up to --heartbeat_timeout for the coordination service to name the dead "
+          "process", file=sys.stderr, flush=True)
+    try:
+        run.scorer.close()
+    except Exception:  # noqa: BLE001 - exiting anyway; the reward workers end with this process
+        pass
+    try:
+        alive = distributed.global_state.client.get_live_nodes(list(range(n)))
+        dead = sorted(set(range(n)) - set(alive))
+        print(f"error: process {me}: process(es) {', '.join(map(str, dead)) or 'none'} of {n} "
+              "stopped sending heartbeats (died); relaunch all processes: the run resumes from "
+              "the last complete checkpoint", file=sys.stderr, flush=True)
+    except Exception as e:  # noqa: BLE001 - the service itself may be gone (process 0 died)
+        print(f"error: process {me}: the coordination service (process 0) is unreachable "
+              f"({type(e).__name__}): process 0 died; relaunch all processes", file=sys.stderr,
+              flush=True)
+    os._exit(1)
+
 
 def evaluate(run: Run, step: int) -> dict:
     """Held-out avg@k / pass@k / maj@k of `run.state.params` (the config's eval settings)."""
@@ -137,8 +189,21 @@ def evaluate(run: Run, step: int) -> dict:
 
 
 def _export(run: Run) -> str:
-    """The policy as a Hugging Face model directory (weights, config, tokenizer) in the workdir."""
-    out = os.path.join(run.workdir, "export")
+    """The policy as a Hugging Face model directory (weights, config, tokenizer) in the workdir:
+    written to a local folder and checked there, then copied through the path layer when the
+    workdir is a URL."""
+    dest = paths.run_path(run.workdir) / "export"
+    if not paths.is_url(run.workdir):
+        _write_export(run, str(dest))
+        return str(dest)
+    with tempfile.TemporaryDirectory(prefix="dapo-export-") as local:
+        _write_export(run, local)
+        if jax.process_index() == 0:
+            paths.upload_tree(local, dest)
+    return str(dest)
+
+
+def _write_export(run: Run, out: str) -> None:
     hf_io.save_params(run.state.params, run.hf_config, out, dtype=run.config.export.dtype)
     if jax.process_index() == 0:
         run.tokenizer.save_pretrained(out)
@@ -146,7 +211,6 @@ def _export(run: Run) -> str:
         if os.path.isfile(gen):
             shutil.copy(gen, out)
         hf_io.check_model_folder(out)  # what a load of the export checks, before anyone loads it
-    return out
 
 
 def _restore_or_start(run: Run, ckpt: checkpoint.Checkpointer) -> tuple[int, int]:
@@ -205,14 +269,15 @@ def _step(run: Run, step: int) -> dict:
     return out
 
 
-def train(c: ml_collections.ConfigDict, workdir: str) -> dict:
-    """Run (or resume) the configured training in `workdir`; returns the last step's metrics
-    (with `export_dir` when this call trained)."""
+def train(c: ml_collections.ConfigDict, workdir: str, checkpoint_dir: str | None = None) -> dict:
+    """Run (or resume) the configured training in `workdir` (checkpoints in `checkpoint_dir`,
+    default `workdir/checkpoints`); returns the last step's metrics (with `export_dir` when this
+    call trained)."""
     check_config(c)
     check_workdir(workdir)
-    os.makedirs(workdir, exist_ok=True)
+    paths.run_path(workdir).mkdir(parents=True, exist_ok=True)  # gs:// stays a URL
     run = build(c, workdir)
-    ckpt = checkpoint.Checkpointer(workdir, keep=c.checkpoint.keep,
+    ckpt = checkpoint.Checkpointer(workdir, keep=c.checkpoint.keep, directory=checkpoint_dir,
                                    asynchronous=c.checkpoint.asynchronous)
     try:
         start, nonfinite_run = _restore_or_start(run, ckpt)
@@ -236,8 +301,8 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict:
             writer.write(step, summary)
             print(metrics.console_line(step, summary), flush=True)
             stop = nonfinite_run >= c.train.max_consecutive_nonfinite
-            if step % c.checkpoint.every == 0 or step == c.train.steps or preemption.requested \
-                    or stop:
+            preempted = preemption.agreed()
+            if step % c.checkpoint.every == 0 or step == c.train.steps or preempted or stop:
                 ckpt.save(step, run.state, {
                     "seed": np.int64(c.seed), "data": run.train_prompts.state(),
                     "filter": run.filter.state(), "nonfinite_run": np.int64(nonfinite_run)})
@@ -245,12 +310,16 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict:
                 raise FloatingPointError(
                     f"step {step}: {nonfinite_run} updates in a row had a non-finite loss or "
                     f"gradient; the last good state is checkpointed in {ckpt.directory}")
-            if preemption.requested:
+            if preempted:
                 sys.exit(PREEMPTED)  # `finally` waits for the checkpoint to be written
         writer.close()
         if c.train.steps > start:
             summary["export_dir"] = _export(run)
         return summary
+    except jax.errors.JaxRuntimeError as e:
+        if jax.process_count() > 1:
+            _peer_failure(e, run)
+        raise
     finally:
         ckpt.close()
         run.scorer.close()
@@ -325,11 +394,12 @@ def main(argv):
         logging.set_verbosity(logging.WARNING)
     if _MULTIHOST.value:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices' collectives
-        jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+        jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+                                   heartbeat_timeout_seconds=_HEARTBEAT.value)
     if _CONFIG.value is None or _WORKDIR.value is None:
         raise app.UsageError("--config and --workdir are required")
     try:
-        summary = train(_CONFIG.value, _WORKDIR.value)
+        summary = train(_CONFIG.value, _WORKDIR.value, _CHECKPOINT_DIR.value)
     except (ConfigError, CheckpointError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -339,12 +409,13 @@ def main(argv):
 
 def _report(workdir: str, summary: dict) -> None:
     """Plots the run's curves and prints held-out accuracy before and after, and where things are."""
-    path = os.path.join(workdir, metrics.JSONL)
-    if not os.path.isfile(path):
+    root = paths.run_path(workdir)
+    path = root / metrics.JSONL
+    if not path.is_file():
         return
     if not summary:
         print(f"{workdir} has already finished its {_CONFIG.value.train.steps} steps")
-    curves = plot.plot_runs([workdir], os.path.join(workdir, "plots"))
+    plot.plot_runs([workdir], str(root / "plots"))
     evals = [r for r in metrics.read_jsonl(path) if any(k.startswith("eval/") for k in r)]
     if evals:
         print(f"held-out accuracy before (step {evals[0]['step']}): {_eval_text(evals[0])}")
@@ -352,9 +423,9 @@ def _report(workdir: str, summary: dict) -> None:
         gain = _gain_text(evals[0], evals[-1]) if len(evals) > 1 else None
         if gain:
             print(gain)
-    print(f"curves: {os.path.dirname(curves[0])}")
-    export = os.path.join(workdir, "export")
-    if os.path.isdir(export):
+    print(f"curves: {root / 'plots'}")
+    export = root / "export"
+    if export.is_dir():
         print(f"exported model: {export}")
 
 

@@ -1,11 +1,16 @@
 """Two JAX processes (jax.distributed over gloo, two CPU devices each) on a mesh that spans both:
 their gathered rollouts equal one process's on one device, and their training run, stopped and
-resumed from its checkpoint, equals one process's uninterrupted run on the same mesh."""
+resumed from its checkpoint, equals one process's uninterrupted run on the same mesh: stopped
+by its end, by a SIGTERM to one process only (both save at the same step and exit 75), or by
+the death of one process (SIGKILL: the other stops within the heartbeat timeout, naming it)."""
 
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -75,34 +80,128 @@ def test_two_processes_sample_as_one(qwen2_dir, tmp_path):
     assert got["tokens"].shape == (8, 12) and 0 < got["mask"].sum() < got["mask"].size
 
 
-def test_two_processes_train_and_resume_as_one(tmp_path):
-    """Both processes write and restore the checkpoints, process 0 alone the metrics and
-    TensorBoard events; every metric of the maths matches the one-process run's."""
-    from conftest import WALL_CLOCK, small_flags  # here: it sets the __main__ workers' devices
+def _flags():
+    from conftest import small_flags  # here: it sets the __main__ workers' devices
 
-    flags = ["--config=configs/dapo.py:tiny", "--config.mesh.data=2", "--config.mesh.fsdp=2",
-             *small_flags(filter__carry_over=True)]
-    train = [sys.executable, "-m", "dapo_jax.train", *flags]
-    reference, multi = str(tmp_path / "reference"), str(tmp_path / "multi")
-    _run_together([[*train, f"--workdir={reference}", "--config.train.steps=3"]], 4)
-    for steps in (2, 3):  # the second run resumes from the first's last checkpoint
-        port = _free_port()
-        _run_together([[*train, f"--workdir={multi}", f"--config.train.steps={steps}",
-                        "--multihost", f"--coordinator=localhost:{port}",
-                        f"--num_processes={PROCESSES}", f"--process_id={i}"]
-                       for i in range(PROCESSES)], DEVICES_PER_PROCESS)
+    return ["--config=configs/dapo.py:tiny", "--config.mesh.data=2", "--config.mesh.fsdp=2",
+            *small_flags(filter__carry_over=True)]
 
-    def maths(workdir):
-        records = metrics.read_jsonl(os.path.join(workdir, metrics.JSONL))
-        assert [r["step"] for r in records] == [1, 2, 3]  # one writer: no step missing or repeated
-        return {r["step"]: {k: v for k, v in r.items() if not k.startswith(WALL_CLOCK)}
-                for r in records}
-    expected, got = maths(reference), maths(multi)
-    assert len(os.listdir(os.path.join(multi, "tensorboard"))) == 2  # an events file per run
+
+def _train(workdir, steps, *extra):
+    return [sys.executable, "-m", "dapo_jax.train", *_flags(), f"--workdir={workdir}",
+            f"--config.train.steps={steps}", *extra]
+
+
+def _multihost(port, i, *extra):
+    return ["--multihost", f"--coordinator=localhost:{port}", f"--num_processes={PROCESSES}",
+            f"--process_id={i}", *extra]
+
+
+def _maths(workdir):
+    from conftest import WALL_CLOCK
+
+    records = metrics.read_jsonl(os.path.join(workdir, metrics.JSONL))
+    assert [r["step"] for r in records] == [1, 2, 3]  # one writer: no step missing or repeated
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(WALL_CLOCK)}
+            for r in records}
+
+
+def _assert_matches(got, expected):
     for step in expected:  # gloo's all-reduces may sum in another order than one process's
         assert got[step].keys() == expected[step].keys()
         for key, value in expected[step].items():
             assert got[step][key] == pytest.approx(value, rel=1e-4, abs=1e-5), (step, key)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The metrics of one process's uninterrupted 3-step run on the same 4-device mesh."""
+    workdir = str(tmp_path_factory.mktemp("reference"))
+    _run_together([_train(workdir, 3)], 4)
+    return _maths(workdir)
+
+
+def test_two_processes_train_and_resume_as_one(reference, tmp_path):
+    """Both processes write and restore the checkpoints, process 0 alone the metrics and
+    TensorBoard events; every metric of the maths matches the one-process run's."""
+    multi = str(tmp_path / "multi")
+    for steps in (2, 3):  # the second run resumes from the first's last checkpoint
+        port = _free_port()
+        _run_together([_train(multi, steps, *_multihost(port, i)) for i in range(PROCESSES)],
+                      DEVICES_PER_PROCESS)
+    assert len(os.listdir(os.path.join(multi, "tensorboard"))) == 2  # an events file per run
+    _assert_matches(_maths(multi), reference)
+
+
+def _start(commands, tmp_path, name):
+    """Start the commands with two CPU devices each, output in tmp_path/name-i.log."""
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}"}
+    logs = [open(tmp_path / f"{name}-{i}.log", "w") for i in range(len(commands))]
+    return [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            for cmd, log in zip(commands, logs)]
+
+
+def _wait_until(condition, procs, what, timeout=600):
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, f"no {what} within {timeout} s"
+        assert all(p.poll() is None for p in procs), f"a process ended before {what}"
+        time.sleep(0.2)
+
+
+def _has_step(workdir, step):
+    path = os.path.join(workdir, metrics.JSONL)
+    return os.path.exists(path) and any(r["step"] >= step for r in metrics.read_jsonl(path))
+
+
+def test_sigterm_to_one_process_stops_both_at_the_same_step(reference, tmp_path):
+    """Only process 1 gets the signal; both save one checkpoint at the step where they agreed
+    (checkpoint.every=10: no other save happens before step 3) and exit 75; the relaunch
+    resumes from it and matches the uninterrupted run."""
+    workdir = str(tmp_path / "run")
+    every = "--config.checkpoint.every=10"
+    port = _free_port()
+    procs = _start([_train(workdir, 3, every, *_multihost(port, i)) for i in range(PROCESSES)],
+                   tmp_path, "preempted")
+    _wait_until(lambda: _has_step(workdir, 1), procs, "step 1")
+    procs[1].send_signal(signal.SIGTERM)
+    assert [p.wait(timeout=600) for p in procs] == [75, 75]
+    saved = sorted(int(d) for d in os.listdir(os.path.join(workdir, "checkpoints")) if d.isdigit())
+    last = max(r["step"] for r in metrics.read_jsonl(os.path.join(workdir, metrics.JSONL)))
+    assert saved == [last] and last < 3  # stopped early, together, after saving that step
+    port = _free_port()
+    _run_together([_train(workdir, 3, every, *_multihost(port, i)) for i in range(PROCESSES)],
+                  DEVICES_PER_PROCESS)
+    _assert_matches(_maths(workdir), reference)
+
+
+def test_a_dead_process_stops_the_other_which_names_it(reference, tmp_path):
+    """Separate working folders (as on separate VMs), one shared checkpoint folder: process 1
+    is killed (SIGKILL) after the first checkpoint is complete; process 0 exits non-zero within
+    2 minutes naming process 1 (its own message, or the coordination service's "tasks are
+    unhealthy ... : 1", whichever comes first); relaunched, both resume and match."""
+    workdirs = [str(tmp_path / f"host{i}") for i in range(PROCESSES)]
+    shared = str(tmp_path / "checkpoints")
+
+    def commands(port):
+        return [_train(workdirs[i], 3, f"--checkpoint_dir={shared}",
+                       *_multihost(port, i, "--heartbeat_timeout=10")) for i in range(PROCESSES)]
+
+    procs = _start(commands(_free_port()), tmp_path, "killed")
+    _wait_until(lambda: os.path.isdir(os.path.join(shared, "1")), procs, "checkpoint 1")
+    procs[1].send_signal(signal.SIGKILL)
+    t0 = time.time()
+    rc = procs[0].wait(timeout=120)
+    elapsed = time.time() - t0
+    log = (tmp_path / "killed-0.log").read_text()
+    assert rc != 0 and elapsed < 120, (rc, elapsed, log[-3000:])
+    named = re.search(r"process\(es\) 1 of 2 stopped sending heartbeats", log) or \
+        re.search(r"tasks are unhealthy \(stopped sending heartbeats\):\s*1\b", log)
+    assert named, log[-3000:]
+    print(f"process 0 exited with {rc} {elapsed:.1f} s after process 1 was killed")
+    assert not os.path.exists(os.path.join(workdirs[1], metrics.JSONL))  # process 0 writes them
+    _run_together(commands(_free_port()), DEVICES_PER_PROCESS)
+    _assert_matches(_maths(workdirs[0]), reference)
 
 
 if __name__ == "__main__":

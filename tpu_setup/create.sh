@@ -1,40 +1,41 @@
 #!/usr/bin/env bash
 # Create a TPU VM or pod slice, with the runtime of its generation (v5p: v2-alpha-tpuv5,
-# v6e: v2-alpha-tpuv6e, v5e: v2-alpha-tpuv5-lite; RUNTIME overrides it).
-# Usage: tpu_setup/create.sh [--dry-run] [--queued] [--spot | --reserved] NAME ZONE TYPE
+# v6e: v2-alpha-tpuv6e, v5e: v2-alpha-tpuv5-lite, per the Cloud TPU "TPU software versions"
+# page; RUNTIME overrides it).
+# Usage: tpu_setup/create.sh [--dry-run] [--queued] [--spot | --reserved | --on-demand] NAME ZONE TYPE
 #   e.g. tpu_setup/create.sh --queued --spot dapo-v5p us-east5-a v5p-64
-# --queued asks for a queued resource (the way to get v5p/v6e capacity and Spot VMs) of the same
-# name; without it the VM is created directly. --dry-run prints the gcloud command.
-# A preempted run resumes from its last checkpoint; `delete` is what stops the bill.
+# --queued asks for a queued resource of the same name (the documented way to get v5p/v6e capacity
+# and Spot VMs; it waits in the queue until granted, see status.sh); without it the VM is created
+# directly. Capacity: on-demand (the default), Spot (preemptible, cheaper) or a reservation.
+# --dry-run prints the gcloud command. delete.sh is what stops the bill.
 set -euo pipefail
-DRY_RUN=0 QUEUED=0 CAPACITY=()
+source "$(dirname "$0")/common.sh"
+CAPACITY=()
 while [ $# -gt 0 ]; do
   case $1 in
     --dry-run) DRY_RUN=1 ;;
     --queued) QUEUED=1 ;;
     --spot) CAPACITY=(--spot) ;;
     --reserved) CAPACITY=(--reserved) ;;
+    --on-demand) CAPACITY=() ;;
+    -*) die "unknown flag $1" ;;
     *) break ;;
   esac
   shift
 done
-if [ $# -ne 3 ]; then
-  echo "usage: $0 [--dry-run] [--queued] [--spot | --reserved] NAME ZONE TYPE" >&2; exit 2
-fi
+expect_args 3 "[--dry-run] [--queued] [--spot | --reserved | --on-demand] NAME ZONE TYPE" "$@"
 NAME=$1 ZONE=$2 TYPE=$3
 case $TYPE in
   v5p-*) DEFAULT_RUNTIME=v2-alpha-tpuv5 ;;
   v6e-*) DEFAULT_RUNTIME=v2-alpha-tpuv6e ;;
   v5litepod-*|v5e-*) DEFAULT_RUNTIME=v2-alpha-tpuv5-lite ;;
-  *) echo "$0: no default runtime for accelerator type $TYPE: set RUNTIME" >&2; exit 2 ;;
+  *) die "no default runtime for accelerator type $TYPE (v5p-N, v6e-N, v5litepod-N): set RUNTIME" ;;
 esac
 RUNTIME=${RUNTIME:-$DEFAULT_RUNTIME}
 if [ "$QUEUED" = 1 ]; then
-  CMD=(gcloud compute tpus queued-resources create "$NAME" --node-id="$NAME" --zone="$ZONE"
-       --accelerator-type="$TYPE" --runtime-version="$RUNTIME" "${CAPACITY[@]}")
+  run gcloud compute tpus queued-resources create "$NAME" --node-id="$NAME" --zone="$ZONE" \
+    --accelerator-type="$TYPE" --runtime-version="$RUNTIME" "${CAPACITY[@]}"
 else
-  CMD=(gcloud compute tpus tpu-vm create "$NAME" --zone="$ZONE" --accelerator-type="$TYPE"
-       --version="$RUNTIME" "${CAPACITY[@]}")
+  run gcloud compute tpus tpu-vm create "$NAME" --zone="$ZONE" --accelerator-type="$TYPE" \
+    --version="$RUNTIME" "${CAPACITY[@]}"
 fi
-if [ "$DRY_RUN" = 1 ]; then printf '%q ' "${CMD[@]}"; echo; exit 0; fi
-"${CMD[@]}"

@@ -1,0 +1,31 @@
+# Shell helpers sourced by every tpu_setup/ script (not run by itself).
+# `parse_common "$@"` takes the leading --dry-run / --queued flags; `run CMD...` runs a command, or
+# prints it (each argument quoted with printf %q, so that a shell reading the line gets the same
+# argument list) under --dry-run; `on_workers NAME ZONE WORKERS SCRIPT` runs a shell script on
+# workers of a TPU VM / pod slice ("all" or a number) through `gcloud ... ssh --command`.
+
+DRY_RUN=0 QUEUED=0
+REMOTE_TREE='~/dapo-jax'      # the installed working tree on every worker (~ is the worker's home)
+REMOTE_PYTHON='~/dapo-venv/bin/python'
+REMOTE_LOGS='~/dapo-logs'     # train.log and train.pid of the worker's current run
+
+die() { echo "$(basename "$0"): $*" >&2; exit 2; }
+
+run() {
+  if [ "$DRY_RUN" = 1 ]; then printf '%q ' "$@"; echo; else "$@"; fi
+}
+
+on_workers() {  # NAME ZONE WORKERS SCRIPT
+  run gcloud compute tpus tpu-vm ssh "$1" --zone="$2" --worker="$3" --command="$4"
+}
+
+quote_args() {  # each argument quoted for the workers' shell, joined by spaces
+  local out=
+  if [ $# -gt 0 ]; then printf -v out '%q ' "$@"; fi
+  printf '%s' "${out% }"
+}
+
+expect_args() {  # N USAGE "$@": exactly N positional arguments, or the usage line
+  local n=$1 usage=$2; shift 2
+  if [ $# -ne "$n" ]; then echo "usage: $(basename "$0") $usage" >&2; exit 2; fi
+}

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Stop the run on every worker as a preemption does: SIGTERM, after which all hosts save a
+# checkpoint at the same step and exit with status 75 (launch.sh again resumes). The VMs keep
+# running, and billing: delete.sh stops the bill.
+# Usage: tpu_setup/stop.sh [--dry-run] NAME ZONE
+set -euo pipefail
+source "$(dirname "$0")/common.sh"
+if [ "${1:-}" = --dry-run ]; then DRY_RUN=1; shift; fi
+expect_args 2 "[--dry-run] NAME ZONE" "$@"
+# Only a pid that still runs dapo_jax.train (not a recycled one).
+on_workers "$1" "$2" all "PID=\$(cat $REMOTE_LOGS/train.pid 2>/dev/null) &&
+ps -p \"\$PID\" -o args= | grep -q dapo_jax.train && kill -TERM \"\$PID\" &&
+echo \"\$(hostname): SIGTERM sent to \$PID\" || echo \"\$(hostname): no run\""
