@@ -52,7 +52,8 @@ class PromptSet:
     """Loaded examples and what loading did. Each example is a dict with keys prompt_ids
     (list[int]), prompt_text (the templated text, before truncation), ground_truth (str),
     index (row in the file), problem_id (dense id of the problem text), data_source (str),
-    solution (`extra_info.solution`, a worked solution where the file has one, else None)."""
+    extra_info (the row's dict, else None; a reward plug-in gets it), solution
+    (`extra_info.solution`, a worked solution where the file has one, else None)."""
     examples: list
     n_rows: int        # rows in the file
     n_malformed: int   # rows skipped as malformed
@@ -192,6 +193,7 @@ def load_prompts(path: str, tokenizer, max_prompt_len: int, *, template: str = D
         kept.append({"prompt_text": format_prompt(problem, tokenizer, template, chat),
                      "ground_truth": answer, "index": index, "problem_id": problem_id,
                      "data_source": data_source if isinstance(data_source, str) else "",
+                     "extra_info": extra if isinstance(extra, dict) else None,
                      "solution": solution if isinstance(solution, str) else None})
     if n_malformed:
         logging.warning("%s: skipped %d malformed rows of %d", path, n_malformed, n_rows)

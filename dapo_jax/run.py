@@ -108,8 +108,10 @@ def check_config(c: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"loss.clip_ratio_c must be 0 (off) or > 1, got {c.loss.clip_ratio_c}")
     if c.loss.agg_mode not in objective.AGG_MODES:
         raise ConfigError(f"loss.agg_mode {c.loss.agg_mode!r} is not one of {objective.AGG_MODES}")
-    if c.reward.fn not in rewards.REWARD_FNS:
-        raise ConfigError(f"reward.fn {c.reward.fn!r} is not one of {sorted(rewards.REWARD_FNS)}")
+    try:
+        rewards.get_reward_fn(c.reward.fn)  # a plug-in is imported here, once, to check it
+    except (ValueError, ImportError) as e:
+        raise ConfigError(str(e)) from None
     if c.filter.metric not in dynamic_sampling.FILTER_METRICS:
         raise ConfigError(f"filter.metric {c.filter.metric!r} is not one of "
                           f"{dynamic_sampling.FILTER_METRICS}")

@@ -35,7 +35,8 @@ import tqdm
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from dapo_jax import checkpoint, hf_io, metrics, objective, plot, rollout, sharding, train_step
+from dapo_jax import (checkpoint, hf_io, hub, metrics, objective, plot, rollout, sharding,
+                      train_step)
 from dapo_jax.errors import CheckpointError
 from dapo_jax.run import ConfigError, Run, build, check_config, check_workdir, load_config_file
 
@@ -124,22 +125,26 @@ class _Preemption:
         self.requested = True
 
 
-def evaluate(run: Run, step: int) -> dict:
-    """Held-out avg@k / pass@k / maj@k of `run.state.params` (the config's eval settings)."""
+def evaluate(run: Run, step: int, params=None, sample_rows: list | None = None,
+             ks=None) -> dict:
+    """Held-out avg@k / pass@k / maj@k of `params` (default `run.state.params`) with the
+    config's eval settings; also `python -m dapo_jax.evaluate`'s, which passes `sample_rows`."""
     t0 = time.time()
-    result = rollout.evaluate(run.eval_sampler, run.state.params, run.eval_examples,
-                              run.config.eval.samples,
+    result = rollout.evaluate(run.eval_sampler, run.state.params if params is None else params,
+                              run.eval_examples, run.config.eval.samples,
                               jax.random.fold_in(jax.random.key(run.config.seed + 1), step),
                               run.tokenizer, run.scorer, run.config.data.max_prompt_len,
-                              run.config.eval.batch_prompts)
+                              run.config.eval.batch_prompts, sample_rows, ks)
     result["timing/eval_s"] = time.time() - t0
     return result
 
 
-def _export(run: Run) -> str:
-    """The policy as a Hugging Face model directory (weights, config, tokenizer) in the workdir."""
-    out = os.path.join(run.workdir, "export")
-    hf_io.save_params(run.state.params, run.hf_config, out, dtype=run.config.export.dtype)
+def export_hf(run: Run, out: str | None = None, dtype: str | None = None) -> str:
+    """The policy as a Hugging Face model directory (weights, config, tokenizer), by default the
+    workdir's `export/` in `export.dtype`; also `python -m dapo_jax.export`'s."""
+    out = out or os.path.join(run.workdir, "export")
+    hf_io.save_params(run.state.params, run.hf_config, out,
+                      dtype=dtype or run.config.export.dtype)
     if jax.process_index() == 0:
         run.tokenizer.save_pretrained(out)
         gen = os.path.join(run.config.model.path, "generation_config.json")
@@ -207,7 +212,8 @@ def _step(run: Run, step: int) -> dict:
 
 def train(c: ml_collections.ConfigDict, workdir: str) -> dict:
     """Run (or resume) the configured training in `workdir`; returns the last step's metrics
-    (with `export_dir` when this call trained)."""
+    (with `export_dir` when this call trained). Hub ids in `c` resolve to cached folders first."""
+    c = hub.resolve_config(c)
     check_config(c)
     check_workdir(workdir)
     os.makedirs(workdir, exist_ok=True)
@@ -249,7 +255,7 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict:
                 sys.exit(PREEMPTED)  # `finally` waits for the checkpoint to be written
         writer.close()
         if c.train.steps > start:
-            summary["export_dir"] = _export(run)
+            summary["export_dir"] = export_hf(run)
         return summary
     finally:
         ckpt.close()
@@ -318,11 +324,17 @@ def parse_flags(argv):
         sys.exit(2)
 
 
+def quiet_logging() -> None:
+    """WARNING and above unless --verbosity says otherwise: orbax logs every save and restore
+    at INFO."""
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
-    if not flags.FLAGS["verbosity"].present:  # orbax logs every save and restore at INFO
-        logging.set_verbosity(logging.WARNING)
+    quiet_logging()
     if _MULTIHOST.value:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices' collectives
         jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
