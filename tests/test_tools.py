@@ -1,5 +1,5 @@
-"""The commands around a run, on a tiny trained workdir: evaluate a checkpoint or a model folder
-(every sample written), export any checkpoint step."""
+"""The tools around a run, on one tiny trained workdir: a user's reward plug-in scores the run,
+evaluate a checkpoint or a model folder (every sample written), export any checkpoint step."""
 
 import json
 import os
@@ -14,7 +14,7 @@ from safetensors.numpy import load_file
 
 from configs import dapo
 from conftest import small
-from dapo_jax import evaluate, export, hf_io, rewards, train
+from dapo_jax import evaluate, export, hf_io, metrics, rewards, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,12 +23,33 @@ def _config(**overrides):
     return small(dapo.get_config("tiny"), checkpoint__asynchronous=False, **overrides)
 
 
+# A user's reward: a constant score (so that the run's mean score shows it was used), correct
+# on an even response length (so that groups are mixed), and it raises unless it gets the row's
+# data_source and extra_info (so that a missing context shows as reward errors).
+USER_REWARD = '''
+def score(response, ground_truth, *, data_source, extra_info):
+    if data_source != "synthetic_arith" or "solution" not in extra_info:
+        raise ValueError(f"no context: {data_source!r} {extra_info!r}")
+    return {"score": 0.25, "acc": len(response) % 2 == 0, "pred": response[-3:]}
+'''
+
+
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    """A tiny run of two steps with a checkpoint after each."""
-    path = str(tmp_path_factory.mktemp("run"))
-    train.train(_config(train__steps=2), path)
-    return path
+    """A tiny run of two steps with a checkpoint after each, scored by USER_REWARD."""
+    path = tmp_path_factory.mktemp("run")
+    (path / "user_reward.py").write_text(USER_REWARD)
+    train.train(_config(train__steps=2, reward__fn=f"{path}/user_reward.py:score"), str(path))
+    return str(path)
+
+
+def test_a_user_reward_from_a_file_scores_the_run(workdir):
+    records = metrics.read_jsonl(os.path.join(workdir, metrics.JSONL))
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert r["before_filter/score_mean"] == 0.25 and r["data/score_mean"] == 0.25
+        assert r["reward/errors_total"] == 0 and r["reward/timeouts_total"] == 0
+        assert 0 < r["before_filter/acc_mean"] < 1
 
 
 def test_evaluate_a_checkpoint_writes_every_sample(workdir):
