@@ -1,4 +1,5 @@
-"""Prompt data: DAPO-Math-17k / AIME-format files from local paths, templated and tokenised.
+"""Prompt data: DAPO-Math-17k / AIME-format files, templated and tokenised (a Hub dataset id in
+the config is resolved to its cached local files first, `hub.resolve_config`).
 
 Rows follow spec section 7: `prompt` (list of {role, content}), `reward_model.ground_truth`
 (string), optional `data_source`, `extra_info`. Loading a file:
@@ -125,6 +126,27 @@ def _problem_and_answer(row) -> tuple[str, str]:
     if not isinstance(answer, str) or not answer.strip():
         raise _Malformed(f"reward_model.ground_truth is {answer!r}, not a non-empty string")
     return unwrap_default_template(content), answer
+
+
+def unique_rows(path: str, seen: set | None = None) -> tuple[list[dict], int, int, int]:
+    """The well-formed rows of a local file, the first of each problem text (the dedup key of
+    `load_prompts`) not already in `seen` (updated), as they are: (rows, rows read, malformed
+    rows, duplicates dropped)."""
+    rows, seen = [], set() if seen is None else seen
+    n_rows = n_malformed = n_duplicates = 0
+    for row in _read_rows(path):
+        n_rows += 1
+        try:
+            problem, _ = _problem_and_answer(row)
+        except _Malformed:
+            n_malformed += 1
+            continue
+        if problem in seen:
+            n_duplicates += 1
+            continue
+        seen.add(problem)
+        rows.append(row)
+    return rows, n_rows, n_malformed, n_duplicates
 
 
 # Sentences of DEFAULT_TEMPLATE that a problem of its own would not contain.
