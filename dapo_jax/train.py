@@ -21,6 +21,7 @@ Run it from the repository root (the config files import `configs.common`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
@@ -38,7 +39,8 @@ from ml_collections import config_flags
 from dapo_jax import (checkpoint, hf_io, hub, metrics, objective, plot, rollout, sharding,
                       train_step)
 from dapo_jax.errors import CheckpointError
-from dapo_jax.run import ConfigError, Run, build, check_config, check_workdir, load_config_file
+from dapo_jax.run import (ConfigError, Run, build, check_config, check_workdir, load_config_file,
+                          profile_steps)
 
 PREEMPTED = 75  # exit status after SIGTERM's checkpoint (EX_TEMPFAIL: requeue me)
 
@@ -154,6 +156,20 @@ def export_hf(run: Run, out: str | None = None, dtype: str | None = None) -> str
     return out
 
 
+@contextlib.contextmanager
+def _trace(workdir: str, step: int, steps: set[int]):
+    """A jax.profiler trace of the step into <workdir>/profile/step_<N> when it is in `steps`
+    (TensorBoard's profile plugin or Perfetto read it)."""
+    if step not in steps:
+        yield
+        return
+    jax.profiler.start_trace(os.path.join(workdir, "profile", f"step_{step}"))
+    try:
+        yield
+    finally:
+        jax.profiler.stop_trace()
+
+
 def _restore_or_start(run: Run, ckpt: checkpoint.Checkpointer) -> tuple[int, int]:
     """Sets `run.state` from the newest checkpoint that restores (and the data order and the
     filter's carry), or from the base model. Returns (last completed step, non-finite updates in
@@ -222,7 +238,11 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict:
                                    asynchronous=c.checkpoint.asynchronous)
     try:
         start, nonfinite_run = _restore_or_start(run, ckpt)
-        writer = metrics.MetricsWriter(workdir, resume_step=start or None)
+        writer = metrics.MetricsWriter(workdir, resume_step=start or None,
+                                       writers=c.metrics.writers,
+                                       wandb_project=c.metrics.wandb_project,
+                                       aliases=c.metrics.aliases, config=c.to_dict())
+        profiled = profile_steps(c.profile.steps)
         preemption = _Preemption()
         summary = {}
         if start == 0 and c.eval.at_start and run.eval_examples:
@@ -230,7 +250,8 @@ def train(c: ml_collections.ConfigDict, workdir: str) -> dict:
             writer.write(0, summary)
             print(f"step     0  held-out {_eval_text(summary)}", flush=True)
         for step in range(start + 1, c.train.steps + 1):
-            summary = _step(run, step)
+            with _trace(workdir, step, profiled):
+                summary = _step(run, step)
             skipped = summary["actor/skipped_updates"]
             nonfinite_run = nonfinite_run + skipped if skipped else 0
             if skipped:

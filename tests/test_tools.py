@@ -1,6 +1,10 @@
 """The tools around a run, on one tiny trained workdir: a user's reward plug-in scores the run,
-evaluate a checkpoint or a model folder (every sample written), export any checkpoint step."""
+wandb (offline) logs beside JSONL and TensorBoard, a profiled step leaves its trace, the console
+line reads emitted keys; evaluate a checkpoint or a model folder (every sample written), export
+any checkpoint step."""
 
+import glob
+import importlib.util
 import json
 import os
 import subprocess
@@ -14,9 +18,11 @@ from safetensors.numpy import load_file
 
 from configs import dapo
 from conftest import small
-from dapo_jax import evaluate, export, hf_io, metrics, rewards, train
+from dapo_jax import evaluate, export, hf_io, metrics, rewards, run, train
+from dapo_jax.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HAVE_WANDB = importlib.util.find_spec("wandb") is not None
 
 
 def _config(**overrides):
@@ -39,8 +45,55 @@ def workdir(tmp_path_factory):
     """A tiny run of two steps with a checkpoint after each, scored by USER_REWARD."""
     path = tmp_path_factory.mktemp("run")
     (path / "user_reward.py").write_text(USER_REWARD)
-    train.train(_config(train__steps=2, reward__fn=f"{path}/user_reward.py:score"), str(path))
+    writers = "jsonl,tensorboard" + (",wandb" if HAVE_WANDB else "")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("WANDB_MODE", "offline")
+        patch.setenv("WANDB_SILENT", "true")
+        train.train(_config(train__steps=2, reward__fn=f"{path}/user_reward.py:score",
+                            metrics__writers=writers, metrics__aliases=True,
+                            profile__steps="2"), str(path))
     return str(path)
+
+
+@pytest.mark.skipif(not HAVE_WANDB, reason="wandb is not installed (pip install -e .[tracking])")
+def test_wandb_offline_logs_under_the_recipes_names(workdir):
+    run_id = open(os.path.join(workdir, "wandb_run_id")).read().strip()
+    (log,) = glob.glob(os.path.join(workdir, "wandb", f"offline-run-*-{run_id}",
+                                    f"run-{run_id}.wandb"))
+    history = open(log, "rb").read()  # protobuf records: the metric names are plain bytes
+    for name in ("critic/score/mean", "response_length/mean", "actor/entropy", "actor/pg_clipfrac",
+                 "actor/pg_clipfrac_eps_low", "train/num_gen_batches",
+                 "dynamic_sampling/kept_fraction"):
+        assert name.encode() in history, name
+    assert b"data/score_mean" not in history  # aliased: logged under the recipe's name only
+    assert os.listdir(os.path.join(workdir, "tensorboard"))
+
+
+def test_a_profiled_step_leaves_its_trace(workdir):
+    assert os.listdir(os.path.join(workdir, "profile")) == ["step_2"]
+    traces = glob.glob(os.path.join(workdir, "profile", "step_2", "**", "*.xplane.pb"),
+                       recursive=True)
+    assert traces and os.path.getsize(traces[0]) > 0
+
+
+def test_every_key_of_the_console_line_is_emitted(workdir):
+    records = metrics.read_jsonl(os.path.join(workdir, metrics.JSONL))
+    emitted = set().union(*records)
+    assert [key for key, _, _ in metrics.CONSOLE if key not in emitted] == []
+    line = metrics.console_line(2, records[-1])
+    assert all(f"  {label} " in line for _, label, _ in metrics.CONSOLE)
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("writers", "jsonl,mlflow", "metrics.writers 'jsonl,mlflow': a comma-separated list of"),
+    ("writers", "tensorboard", "that includes jsonl"),
+    ("steps", "3,x", "profile.steps '3,x': comma-separated step numbers >= 1"),
+])
+def test_bad_tracking_keys_are_one_line(key, value, message):
+    c = _config()
+    (c.metrics if key == "writers" else c.profile)[key] = value
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        run.check_config(c)
 
 
 def test_a_user_reward_from_a_file_scores_the_run(workdir):
