@@ -42,7 +42,7 @@ def restore(c, workdir: str, step: int | None = None) -> tuple[Run, int]:
     directory = paths.run_path(workdir) / "checkpoints"
     if not directory.is_dir():
         raise ConfigError(f"workdir {workdir!r} has no checkpoints ({directory} does not exist)")
-    ckpt = checkpoint.Checkpointer(workdir)
+    ckpt = checkpoint.Checkpointer(workdir, read_only=True)  # the run may still be saving
     try:
         steps = ckpt.all_steps()
         step = max(steps, default=None) if step is None else step
