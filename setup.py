@@ -26,7 +26,12 @@ setuptools.setup(
     ],
     extras_require={
         # torch is only the reference implementation in parity tests; 2.13.0 is the CPU wheel.
-        "test": ["pytest>=8,<10", "torch==2.13.0", "math-verify>=0.9,<1"],
+        # wandb and tensorboard (the viewer of the event files that tensorboardX writes) are
+        # in the test extra so that the wandb writer's test runs and `tensorboard --logdir`
+        # works in the project's virtualenv.
+        "test": ["pytest>=8,<10", "torch==2.13.0", "math-verify>=0.9,<1", "wandb>=0.31,<1",
+                 "tensorboard>=2.21,<3"],
+        "tracking": ["wandb>=0.31,<1", "tensorboard>=2.21,<3"],
         # gcsfs: etils.epath (metrics, events, plots, export, orbax's folders) opens gs:// with it.
         "gcs": ["gcsfs>=2024.2"],
         "tpu": ["jax[tpu]>=0.10.2,<0.11", "gcsfs>=2024.2"],

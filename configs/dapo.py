@@ -65,6 +65,10 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
     c.eval = dict(every=20, samples=32, temperature=1.0, top_p=0.7, max_problems=0,
                   batch_prompts=32, at_start=True)
     c.export = dict(dtype="bfloat16")
+    c.metrics = dict(writers="jsonl,tensorboard",  # add ",wandb" (pip install wandb)
+                     wandb_project="dapo-jax",
+                     aliases=False)  # wandb also under verl's recipe names (metrics.RECIPE_NAMES)
+    c.profile = dict(steps="")  # "a,b": a jax.profiler trace of those steps in <workdir>/profile
     return c
 
 

@@ -30,10 +30,13 @@ class Checkpointer:
     """Keep-last-N asynchronous checkpoints under `<workdir>/checkpoints`, or `directory`."""
 
     def __init__(self, workdir: str, *, keep: int = 3, asynchronous: bool = True,
-                 directory: str | None = None):
+                 directory: str | None = None, read_only: bool = False):
+        """`read_only` (evaluate, export): restores only, and leaves the temporary folders of a
+        save in progress (a run still training in that workdir) alone."""
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, enable_async_checkpointing=asynchronous,
-            cleanup_tmp_directories=True)
+            max_to_keep=None if read_only else keep, create=not read_only,
+            enable_async_checkpointing=asynchronous, cleanup_tmp_directories=not read_only,
+            read_only=read_only, save_interval_steps=0 if read_only else 1)
         self.directory = (paths.run_path(directory) if directory  # gs:// stays a URL
                           else paths.run_path(workdir) / "checkpoints")
         self._manager = ocp.CheckpointManager(self.directory, options=options,

@@ -1,4 +1,5 @@
-"""Prompt data: DAPO-Math-17k / AIME-format files from local paths, templated and tokenised.
+"""Prompt data: DAPO-Math-17k / AIME-format files, templated and tokenised (a Hub dataset id in
+the config is resolved to its cached local files first, `hub.resolve_config`).
 
 Rows follow spec section 7: `prompt` (list of {role, content}), `reward_model.ground_truth`
 (string), optional `data_source`, `extra_info`. Loading a file:
@@ -52,7 +53,8 @@ class PromptSet:
     """Loaded examples and what loading did. Each example is a dict with keys prompt_ids
     (list[int]), prompt_text (the templated text, before truncation), ground_truth (str),
     index (row in the file), problem_id (dense id of the problem text), data_source (str),
-    solution (`extra_info.solution`, a worked solution where the file has one, else None)."""
+    extra_info (the row's dict, else None; a reward plug-in gets it), solution
+    (`extra_info.solution`, a worked solution where the file has one, else None)."""
     examples: list
     n_rows: int        # rows in the file
     n_malformed: int   # rows skipped as malformed
@@ -126,6 +128,27 @@ def _problem_and_answer(row) -> tuple[str, str]:
     return unwrap_default_template(content), answer
 
 
+def unique_rows(path: str, seen: set | None = None) -> tuple[list[dict], int, int, int]:
+    """The well-formed rows of a local file, the first of each problem text (the dedup key of
+    `load_prompts`) not already in `seen` (updated), as they are: (rows, rows read, malformed
+    rows, duplicates dropped)."""
+    rows, seen = [], set() if seen is None else seen
+    n_rows = n_malformed = n_duplicates = 0
+    for row in _read_rows(path):
+        n_rows += 1
+        try:
+            problem, _ = _problem_and_answer(row)
+        except _Malformed:
+            n_malformed += 1
+            continue
+        if problem in seen:
+            n_duplicates += 1
+            continue
+        seen.add(problem)
+        rows.append(row)
+    return rows, n_rows, n_malformed, n_duplicates
+
+
 # Sentences of DEFAULT_TEMPLATE that a problem of its own would not contain.
 _TEMPLATE_MARKERS = ("The last line of your response should be of the form Answer:",
                      "Remember to put your answer on its own line after")
@@ -192,6 +215,7 @@ def load_prompts(path: str, tokenizer, max_prompt_len: int, *, template: str = D
         kept.append({"prompt_text": format_prompt(problem, tokenizer, template, chat),
                      "ground_truth": answer, "index": index, "problem_id": problem_id,
                      "data_source": data_source if isinstance(data_source, str) else "",
+                     "extra_info": extra if isinstance(extra, dict) else None,
                      "solution": solution if isinstance(solution, str) else None})
     if n_malformed:
         logging.warning("%s: skipped %d malformed rows of %d", path, n_malformed, n_rows)

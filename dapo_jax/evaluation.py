@@ -10,6 +10,8 @@ For a problem with n samples of which c are correct:
           Ties are scored by expected correctness under a uniformly random tie-break (the
           fraction of tied answers that are correct), so the result does not depend on sample
           order within the vote. An answer's correctness is the mean `acc` of its samples.
+Each of them comes with its standard error over problems (se_*: the standard deviation of the
+per-problem values over sqrt(number of problems)), the uncertainty of a finite problem set.
 """
 
 import collections
@@ -42,6 +44,13 @@ def majority_correct(preds: list, accs: list) -> float:
     return sum(sum(correct[p]) / len(correct[p]) for p in tied) / len(tied)
 
 
+def standard_error(values: list) -> float:
+    """stdev(values) / sqrt(len(values)); NaN for fewer than two values."""
+    if len(values) < 2:
+        return float("nan")
+    return statistics.stdev(values) / math.sqrt(len(values))
+
+
 def default_ks(n: int) -> list:
     """1, 2, 4, ... up to n, and n."""
     return sorted({2**i for i in range(n.bit_length()) if 2**i <= n} | {n})
@@ -51,9 +60,8 @@ def evaluate(records, ks=None) -> dict:
     """Metrics from per-sample records, dicts with "problem_id", "pred" (normalised), "acc".
 
     Every problem must have the same number n of samples; `ks` defaults to `default_ks(n)`.
-    Returns {"avg@n", "se_avg@n" (its standard error over problems: the standard deviation of
-    the per-problem c / n, over sqrt(number of problems)), "pass@k" and "maj@k" for each k,
-    "num_problems", "samples_per_problem"}.
+    Returns {"avg@n", "pass@k" and "maj@k" for each k, each with its standard error over
+    problems ("se_avg@n", "se_pass@k", "se_maj@k"), "num_problems", "samples_per_problem"}.
     """
     by_problem = collections.defaultdict(list)
     for record in records:
@@ -69,11 +77,13 @@ def evaluate(records, ks=None) -> dict:
     problems = list(by_problem.values())
     per_problem = [sum(a for _, a in s) / n for s in problems]
     metrics[f"avg@{n}"] = sum(per_problem) / len(problems)
-    metrics[f"se_avg@{n}"] = (statistics.stdev(per_problem) / math.sqrt(len(problems))
-                              if len(problems) > 1 else float("nan"))
+    metrics[f"se_avg@{n}"] = standard_error(per_problem)
     for k in ks:
-        metrics[f"pass@{k}"] = sum(pass_at_k(n, sum(a for _, a in s), k)
-                                   for s in problems) / len(problems)
-        metrics[f"maj@{k}"] = sum(majority_correct([p for p, _ in s[:k]], [a for _, a in s[:k]])
-                                  for s in problems) / len(problems)
+        passes = [pass_at_k(n, sum(a for _, a in s), k) for s in problems]
+        majorities = [majority_correct([p for p, _ in s[:k]], [a for _, a in s[:k]])
+                      for s in problems]
+        metrics[f"pass@{k}"], metrics[f"se_pass@{k}"] = (sum(passes) / len(problems),
+                                                         standard_error(passes))
+        metrics[f"maj@{k}"], metrics[f"se_maj@{k}"] = (sum(majorities) / len(problems),
+                                                       standard_error(majorities))
     return metrics

@@ -10,6 +10,10 @@ Score of one response o_i against its ground truth:
   math_verify: the same extraction, equivalence decided by the optional `math-verify` package
                (symbolic: "1/2" equals "0.5"); not the paper's scorer, an option.
 
+A reward plug-in (`reward.fn = "module:function"` or `"path/to/file.py:function"`, `RewardPlugin`)
+is a user's function fn(response, ground_truth, *, data_source, extra_info) returning a float
+score (acc = score > 0, pred "") or a dict with "score" and optionally "acc" and "pred".
+
 R_i = score_i + overlong_penalty(|o_i|) (soft overlong punishment, section 4).
 `RewardScorer` runs a reward fn in worker processes with a per-call timeout: a fn that raises or
 hangs costs one wrong answer, one count and at most one log line, never the run.
@@ -17,9 +21,11 @@ hangs costs one wrong answer, one count and at most one log line, never the run.
 
 import collections
 import importlib
+import importlib.util
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import re
 import time
 
@@ -131,10 +137,83 @@ def _import_math_verify():
 REWARD_FNS = {"math_dapo": math_dapo_score, "math_verify": math_verify_score}
 
 
+class RewardPlugin:
+    """A user's reward fn named `module:function` or `path/to/file.py:function`, loaded where it
+    is called: pickled by its spec, so that spawned reward workers import it themselves and it
+    runs under their timeout and error accounting. `__init__` loads it once, so that a bad spec
+    fails at config-check time (ValueError, one line naming the spec and what is missing)."""
+
+    takes_context = True  # RewardScorer passes data_source and extra_info
+
+    def __init__(self, spec: str):
+        source, _, self.function = spec.rpartition(":")
+        if not source or not self.function:
+            raise ValueError(f"reward.fn {spec!r}: expected a registry name {sorted(REWARD_FNS)}, "
+                             "'module:function' or 'path/to/file.py:function'")
+        self.source = os.path.abspath(source) if source.endswith(".py") else source
+        self.spec = spec
+        self._fn = None
+        self._load()
+
+    def __getstate__(self):
+        return {**self.__dict__, "_fn": None}
+
+    def _load(self):
+        if self._fn is None:
+            module = _import_source(self.source, self.spec)
+            fn = getattr(module, self.function, None)
+            if not callable(fn):
+                names = sorted(n for n, v in vars(module).items()
+                               if callable(v) and not n.startswith("_"))
+                raise ValueError(f"reward.fn {self.spec!r}: {self.source} has no function "
+                                 f"{self.function!r}; it defines {names}")
+            self._fn = fn
+        return self._fn
+
+    def __call__(self, response: str, ground_truth: str, data_source: str = "",
+                 extra_info=None) -> dict:
+        result = self._load()(response, ground_truth, data_source=data_source,
+                              extra_info=extra_info)
+        if isinstance(result, (int, float)) and not isinstance(result, bool):
+            return {"score": float(result), "acc": result > 0, "pred": ""}
+        if isinstance(result, dict) and "score" in result:
+            score = float(result["score"])
+            return {"score": score, "acc": bool(result.get("acc", score > 0)),
+                    "pred": str(result.get("pred", ""))}
+        raise TypeError(f"{self.spec} returned {result!r}: return a float or a dict with "
+                        "'score' (and optionally 'acc', 'pred')")
+
+
+def _import_source(source: str, spec: str):
+    """The module of a plug-in spec: a .py file by path, else a module by its dotted name."""
+    try:
+        if source.endswith(".py"):
+            if not os.path.isfile(source):
+                raise ValueError(f"reward.fn {spec!r}: file {source} does not exist")
+            name = "dapo_reward_plugin_" + re.sub(r"\W", "_", source)
+            module_spec = importlib.util.spec_from_file_location(name, source)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+            return module
+        return importlib.import_module(source)
+    except ModuleNotFoundError as e:
+        raise ValueError(f"reward.fn {spec!r}: no module named {e.name!r} (put it on "
+                         "PYTHONPATH, or name a file: path/to/file.py:function)") from None
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever the user's module raises on import
+        raise ValueError(f"reward.fn {spec!r}: importing {source} raised "
+                         f"{type(e).__name__}: {e}") from None
+
+
 def get_reward_fn(name: str):
-    """The reward fn registered as `name`; checks an optional dependency now, not mid-run."""
+    """The reward fn registered as `name`, or a `RewardPlugin` for a "module:function" or
+    "file.py:function" spec; checks an optional dependency or the plug-in now, not mid-run."""
+    if ":" in name:
+        return RewardPlugin(name)
     if name not in REWARD_FNS:
-        raise ValueError(f"unknown reward fn {name!r}; valid names: {sorted(REWARD_FNS)}")
+        raise ValueError(f"unknown reward fn {name!r}; valid names: {sorted(REWARD_FNS)}, or "
+                         "'module:function', or 'path/to/file.py:function'")
     if name == "math_verify":
         _import_math_verify()
     return REWARD_FNS[name]
@@ -172,14 +251,14 @@ def overlong_filter_mask(truncated_B, enabled: bool = True) -> np.ndarray:
 
 
 def _worker_loop(conn, reward_fn):
-    """Worker process: says it is ready, then for each list of (response, ground truth) sent to
-    it sends one result per item as soon as it has it, until it receives None or its parent is
-    gone."""
+    """Worker process: says it is ready, then for each list of (response, ground truth, context)
+    sent to it sends one result per item as soon as it has it, until it receives None or its
+    parent is gone. A non-empty context (data_source, extra_info) goes in as keywords."""
     conn.send(("ready", None))
     while (chunk := _receive_or_none(conn)) is not None:
-        for response, ground_truth in chunk:
+        for response, ground_truth, context in chunk:
             try:
-                conn.send(("ok", reward_fn(response, ground_truth)))
+                conn.send(("ok", reward_fn(response, ground_truth, **context)))
             except Exception as e:  # pylint: disable=broad-except
                 conn.send(("error", f"{type(e).__name__}: {e}"))
 
@@ -250,11 +329,16 @@ class RewardScorer:
         self.totals = {"n_error": 0, "n_timeout": 0}  # over the scorer's life
         self._items = self._results = self._stats = self._todo = None  # of the batch in hand
 
-    def score_batch(self, responses, ground_truths) -> tuple[list[dict], dict]:
-        """Returns (one {"score", "acc", "pred"} per response, {"n_error", "n_timeout"} counts)."""
+    def score_batch(self, responses, ground_truths, contexts=None) -> tuple[list[dict], dict]:
+        """Returns (one {"score", "acc", "pred"} per response, {"n_error", "n_timeout"} counts).
+        `contexts` (one {"data_source", "extra_info"} per response) reach a reward fn that
+        `takes_context` (a plug-in); the built-ins take the response and ground truth alone."""
         if len(responses) != len(ground_truths):
             raise ValueError(f"{len(responses)} responses but {len(ground_truths)} ground truths")
-        self._items, self._results = list(zip(responses, ground_truths)), [None] * len(responses)
+        if contexts is None or not getattr(self._reward_fn, "takes_context", False):
+            contexts = [{}] * len(responses)
+        self._items = list(zip(responses, ground_truths, contexts))
+        self._results = [None] * len(responses)
         self._stats = {"n_error": 0, "n_timeout": 0}
         self._todo = collections.deque(range(len(responses)))
         for slot, worker in enumerate(self._workers):
@@ -326,7 +410,7 @@ class RewardScorer:
         self._todo.extendleft(reversed(worker.chunk[worker.position + 1:]))
         self._replace(slot)
 
-    def _checked(self, status, payload, response, ground_truth) -> dict:
+    def _checked(self, status, payload, response, ground_truth, _context) -> dict:
         if status == "ok":
             try:
                 return {"score": float(payload["score"]), "acc": bool(payload["acc"]),
@@ -335,7 +419,7 @@ class RewardScorer:
                 payload = f"malformed result {payload!r} ({type(e).__name__}: {e})"
         return self._failure("error", payload, response, ground_truth)
 
-    def _failure(self, kind, detail, response, ground_truth) -> dict:
+    def _failure(self, kind, detail, response, ground_truth, _context=None) -> dict:
         self._stats[f"n_{kind}"] += 1
         if kind not in self._logged_kinds:
             self._logged_kinds.add(kind)

@@ -36,7 +36,8 @@ def sample_and_score(sampler: Sampler, params, examples: list[dict], group_size:
     """G responses to each of the P examples, scored: numpy arrays of B = P x G rows.
 
     Keys: prompt_tokens / prompt_mask (BxL, left padded to `prompt_len`), tokens / mask / logp
-    (BxN, the completion), length, truncated, score, acc, problem_id, and `pred` (a list).
+    (BxN, the completion), length, truncated, score, acc, problem_id, and the lists `pred` and
+    `response_text`. The reward fn sees each row's `data_source` and `extra_info` too.
     """
     prompt_PxL, pmask_PxL = data.pad_prompts([ex["prompt_ids"] for ex in examples], (prompt_len,),
                                              sampler.config.pad_id)
@@ -45,7 +46,9 @@ def sample_and_score(sampler: Sampler, params, examples: list[dict], group_size:
     texts = tokenizer.batch_decode([row[:n] for row, n in zip(out["tokens"], out["length"])],
                                    skip_special_tokens=True)
     truths = [ex["ground_truth"] for ex in examples for _ in range(group_size)]
-    results, _ = scorer.score_batch(texts, truths)
+    contexts = [{"data_source": ex["data_source"], "extra_info": ex.get("extra_info")}
+                for ex in examples for _ in range(group_size)]
+    results, _ = scorer.score_batch(texts, truths, contexts)
     repeat = lambda x: np.repeat(x, group_size, axis=0)
     return {
         "prompt_tokens": repeat(prompt_PxL), "prompt_mask": repeat(pmask_PxL),
@@ -54,7 +57,7 @@ def sample_and_score(sampler: Sampler, params, examples: list[dict], group_size:
         "score": np.asarray([r["score"] for r in results], np.float32),
         "acc": np.asarray([r["acc"] for r in results], bool),
         "problem_id": repeat(np.asarray([ex["problem_id"] for ex in examples], np.int32)),
-        "pred": [r["pred"] for r in results],
+        "pred": [r["pred"] for r in results], "response_text": texts,
     }
 
 
@@ -65,7 +68,7 @@ def generation_batch(sampler, params, examples, group_size, rng, tokenizer, scor
     filtering). Every value is a numpy array with a leading dim of B = P x G."""
     batch = sample_and_score(sampler, params, examples, group_size, rng, tokenizer, scorer,
                              prompt_len)
-    del batch["pred"]
+    del batch["pred"], batch["response_text"]
     penalty = rewards.overlong_penalties(batch["length"], shaping.max_len, shaping.buffer_len,
                                          shaping.factor, enabled=shaping.penalty)
     batch["reward"] = (batch["score"] + penalty).astype(np.float32)
@@ -74,8 +77,11 @@ def generation_batch(sampler, params, examples, group_size, rng, tokenizer, scor
 
 
 def evaluate(sampler, params, examples, samples: int, rng, tokenizer, scorer, prompt_len,
-             batch_prompts: int) -> dict:
-    """avg@k, pass@k and maj@k over `samples` responses per held-out problem, plus mean length."""
+             batch_prompts: int, sample_rows: list | None = None, ks=None) -> dict:
+    """avg@n, pass@k and maj@k (k in `ks`, default n alone) over n = `samples` responses per
+    held-out problem, with their standard errors, plus mean length.
+    Every sample is appended to `sample_rows` when given (prompt, response, extracted answer,
+    ground truth, score, acc, length, truncated)."""
     records, lengths = [], []
     chunks = [examples[i:i + batch_prompts] for i in range(0, len(examples), batch_prompts)]
     for i, chunk in enumerate(tqdm.tqdm(chunks, desc="eval", leave=False, disable=None)):
@@ -87,7 +93,22 @@ def evaluate(sampler, params, examples, samples: int, rng, tokenizer, scorer, pr
         records += [{"problem_id": int(p), "pred": pred, "acc": bool(a)} for p, pred, a in
                     zip(out["problem_id"][:n_real], out["pred"][:n_real], out["acc"][:n_real])]
         lengths.append(out["length"][:n_real])
-    result = evaluation.evaluate(records, ks=[samples])
+        if sample_rows is not None:
+            sample_rows += _sample_rows(chunk, samples, out, n_real)
+    result = evaluation.evaluate(records, ks=ks or [samples])
     metrics = {f"eval/{k}": v for k, v in result.items() if "@" in k}
     metrics["eval/response_length_mean"] = float(np.concatenate(lengths).mean())
     return metrics
+
+
+def _sample_rows(examples: list[dict], samples: int, out: dict, n_real: int) -> list[dict]:
+    """One readable record per sample of `sample_and_score`'s output (the first n_real rows)."""
+    rows = []
+    for b in range(n_real):
+        example = examples[b // samples]
+        rows.append({"problem_id": int(out["problem_id"][b]), "sample": b % samples,
+                     "prompt": example["prompt_text"], "response": out["response_text"][b],
+                     "pred": out["pred"][b], "ground_truth": example["ground_truth"],
+                     "score": float(out["score"][b]), "acc": bool(out["acc"][b]),
+                     "length": int(out["length"][b]), "truncated": bool(out["truncated"][b])})
+    return rows

@@ -16,8 +16,8 @@ import ml_collections
 from absl import logging
 from etils import epath
 
-from dapo_jax import (data, dynamic_sampling, hf_io, model, objective, rewards, rollout, sharding,
-                      train_step)
+from dapo_jax import (data, dynamic_sampling, hf_io, metrics, model, objective, rewards, rollout,
+                      sharding, train_step)
 from dapo_jax.errors import ConfigError
 from dapo_jax.sampler import Sampler, SamplingConfig
 
@@ -108,8 +108,11 @@ def check_config(c: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"loss.clip_ratio_c must be 0 (off) or > 1, got {c.loss.clip_ratio_c}")
     if c.loss.agg_mode not in objective.AGG_MODES:
         raise ConfigError(f"loss.agg_mode {c.loss.agg_mode!r} is not one of {objective.AGG_MODES}")
-    if c.reward.fn not in rewards.REWARD_FNS:
-        raise ConfigError(f"reward.fn {c.reward.fn!r} is not one of {sorted(rewards.REWARD_FNS)}")
+    try:
+        rewards.get_reward_fn(c.reward.fn)  # a plug-in is imported here, once, to check it
+    except (ValueError, ImportError) as e:
+        raise ConfigError(str(e)) from None
+    _check_tracking(c)
     if c.filter.metric not in dynamic_sampling.FILTER_METRICS:
         raise ConfigError(f"filter.metric {c.filter.metric!r} is not one of "
                           f"{dynamic_sampling.FILTER_METRICS}")
@@ -122,6 +125,30 @@ def check_config(c: ml_collections.ConfigDict) -> None:
     if (t.mini_batch_prompts * g) % t.micro_batch_size:
         raise ConfigError(f"a mini-batch of {t.mini_batch_prompts} x G={g} responses does not "
                           f"split into micro-batches of train.micro_batch_size {t.micro_batch_size}")
+
+
+def profile_steps(spec: str) -> set[int]:
+    """The steps of `profile.steps`, "a,b" (empty: none); ConfigError for anything else."""
+    try:
+        steps = {int(s) for s in str(spec).split(",") if s.strip()}
+    except ValueError:
+        steps = {0}
+    if min(steps, default=1) < 1:
+        raise ConfigError(f"profile.steps {spec!r}: comma-separated step numbers >= 1, e.g. '3,4'")
+    return steps
+
+
+def _check_tracking(c: ml_collections.ConfigDict) -> None:
+    """metrics.writers names known writers (and wandb is installed when named), profile.steps
+    are step numbers."""
+    try:
+        writers = metrics.parse_writers(c.metrics.writers)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if "wandb" in writers and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("metrics.writers names wandb, which is not installed: pip install wandb "
+                          "(or the project's extra: pip install -e .[tracking])")
+    profile_steps(c.profile.steps)
 
 
 @dataclasses.dataclass

@@ -26,6 +26,7 @@ Run it from the repository root (the config files import `configs.common`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
@@ -42,10 +43,12 @@ from absl import app, flags, logging
 from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
-from dapo_jax import (checkpoint, hf_io, metrics, objective, paths, plot, rollout, sharding,
+from dapo_jax import (checkpoint, hf_io, hub, metrics, objective, paths, plot, rollout,
+                      sharding,
                       train_step)
 from dapo_jax.errors import CheckpointError
-from dapo_jax.run import ConfigError, Run, build, check_config, check_workdir, load_config_file
+from dapo_jax.run import (ConfigError, Run, build, check_config, check_workdir, load_config_file,
+                          profile_steps)
 
 PREEMPTED = 75  # exit status after SIGTERM's checkpoint (EX_TEMPFAIL: requeue me)
 
@@ -176,41 +179,58 @@ def _peer_failure(error: Exception, run: Run) -> None:
     os._exit(1)
 
 
-def evaluate(run: Run, step: int) -> dict:
-    """Held-out avg@k / pass@k / maj@k of `run.state.params` (the config's eval settings)."""
+def evaluate(run: Run, step: int, params=None, sample_rows: list | None = None,
+             ks=None) -> dict:
+    """Held-out avg@k / pass@k / maj@k of `params` (default `run.state.params`) with the
+    config's eval settings; also `python -m dapo_jax.evaluate`'s, which passes `sample_rows`."""
     t0 = time.time()
-    result = rollout.evaluate(run.eval_sampler, run.state.params, run.eval_examples,
-                              run.config.eval.samples,
+    result = rollout.evaluate(run.eval_sampler, run.state.params if params is None else params,
+                              run.eval_examples, run.config.eval.samples,
                               jax.random.fold_in(jax.random.key(run.config.seed + 1), step),
                               run.tokenizer, run.scorer, run.config.data.max_prompt_len,
-                              run.config.eval.batch_prompts)
+                              run.config.eval.batch_prompts, sample_rows, ks)
     result["timing/eval_s"] = time.time() - t0
     return result
 
 
-def _export(run: Run) -> str:
-    """The policy as a Hugging Face model directory (weights, config, tokenizer) in the workdir:
-    written to a local folder and checked there, then copied through the path layer when the
-    workdir is a URL."""
-    dest = paths.run_path(run.workdir) / "export"
-    if not paths.is_url(run.workdir):
-        _write_export(run, str(dest))
-        return str(dest)
+def export_hf(run: Run, out: str | None = None, dtype: str | None = None) -> str:
+    """The policy as a Hugging Face model directory (weights, config, tokenizer), by default the
+    workdir's `export/` in `export.dtype`; also `python -m dapo_jax.export`'s. Written to a local
+    folder and checked there, then copied through the path layer when `out` is a URL."""
+    out = out or str(paths.run_path(run.workdir) / "export")
+    dtype = dtype or run.config.export.dtype
+    if not paths.is_url(out):
+        _write_export(run, out, dtype)
+        return out
     with tempfile.TemporaryDirectory(prefix="dapo-export-") as local:
-        _write_export(run, local)
+        _write_export(run, local, dtype)
         if jax.process_index() == 0:
-            paths.upload_tree(local, dest)
-    return str(dest)
+            paths.upload_tree(local, out)
+    return out
 
 
-def _write_export(run: Run, out: str) -> None:
-    hf_io.save_params(run.state.params, run.hf_config, out, dtype=run.config.export.dtype)
+def _write_export(run: Run, out: str, dtype: str) -> None:
+    hf_io.save_params(run.state.params, run.hf_config, out, dtype=dtype)
     if jax.process_index() == 0:
         run.tokenizer.save_pretrained(out)
         gen = os.path.join(run.config.model.path, "generation_config.json")
         if os.path.isfile(gen):
             shutil.copy(gen, out)
         hf_io.check_model_folder(out)  # what a load of the export checks, before anyone loads it
+
+
+@contextlib.contextmanager
+def _trace(workdir: str, step: int, steps: set[int]):
+    """A jax.profiler trace of the step into <workdir>/profile/step_<N> when it is in `steps`
+    (TensorBoard's profile plugin or Perfetto read it)."""
+    if step not in steps:
+        yield
+        return
+    jax.profiler.start_trace(os.path.join(workdir, "profile", f"step_{step}"))
+    try:
+        yield
+    finally:
+        jax.profiler.stop_trace()
 
 
 def _restore_or_start(run: Run, ckpt: checkpoint.Checkpointer) -> tuple[int, int]:
@@ -272,7 +292,8 @@ def _step(run: Run, step: int) -> dict:
 def train(c: ml_collections.ConfigDict, workdir: str, checkpoint_dir: str | None = None) -> dict:
     """Run (or resume) the configured training in `workdir` (checkpoints in `checkpoint_dir`,
     default `workdir/checkpoints`); returns the last step's metrics (with `export_dir` when this
-    call trained)."""
+    call trained). Hub ids in `c` resolve to cached folders first."""
+    c = hub.resolve_config(c)
     check_config(c)
     check_workdir(workdir)
     paths.run_path(workdir).mkdir(parents=True, exist_ok=True)  # gs:// stays a URL
@@ -281,7 +302,11 @@ def train(c: ml_collections.ConfigDict, workdir: str, checkpoint_dir: str | None
                                    asynchronous=c.checkpoint.asynchronous)
     try:
         start, nonfinite_run = _restore_or_start(run, ckpt)
-        writer = metrics.MetricsWriter(workdir, resume_step=start or None)
+        writer = metrics.MetricsWriter(workdir, resume_step=start or None,
+                                       writers=c.metrics.writers,
+                                       wandb_project=c.metrics.wandb_project,
+                                       aliases=c.metrics.aliases, config=c.to_dict())
+        profiled = profile_steps(c.profile.steps)
         preemption = _Preemption()
         summary = {}
         if start == 0 and c.eval.at_start and run.eval_examples:
@@ -289,7 +314,8 @@ def train(c: ml_collections.ConfigDict, workdir: str, checkpoint_dir: str | None
             writer.write(0, summary)
             print(f"step     0  held-out {_eval_text(summary)}", flush=True)
         for step in range(start + 1, c.train.steps + 1):
-            summary = _step(run, step)
+            with _trace(workdir, step, profiled):
+                summary = _step(run, step)
             skipped = summary["actor/skipped_updates"]
             nonfinite_run = nonfinite_run + skipped if skipped else 0
             if skipped:
@@ -314,7 +340,7 @@ def train(c: ml_collections.ConfigDict, workdir: str, checkpoint_dir: str | None
                 sys.exit(PREEMPTED)  # `finally` waits for the checkpoint to be written
         writer.close()
         if c.train.steps > start:
-            summary["export_dir"] = _export(run)
+            summary["export_dir"] = export_hf(run)
         return summary
     except jax.errors.JaxRuntimeError as e:
         if jax.process_count() > 1:
@@ -387,11 +413,17 @@ def parse_flags(argv):
         sys.exit(2)
 
 
+def quiet_logging() -> None:
+    """WARNING and above unless --verbosity says otherwise: orbax logs every save and restore
+    at INFO."""
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
-    if not flags.FLAGS["verbosity"].present:  # orbax logs every save and restore at INFO
-        logging.set_verbosity(logging.WARNING)
+    quiet_logging()
     if _MULTIHOST.value:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices' collectives
         jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,

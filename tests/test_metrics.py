@@ -57,3 +57,13 @@ def test_plot_writes_one_png_per_panel_for_several_runs(tmp_path):
     assert {os.path.basename(p) for p in paths} == {
         "acc.png", "entropy.png", "length.png", "token_prob.png", "eval.png", "curves.png"}
     assert all(open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n" for p in paths)
+
+
+def test_recipe_names_by_hand():
+    ours = {"data/score_mean": 0.5, "actor/pg_clipfrac_upper": 0.01, "actor/pg_clipfrac_lower": 0.02,
+            "actor/pg_clipfrac_dual": 0.003, "actor/entropy": 1.5, "dynamic_sampling/gen_batches": 3}
+    assert metrics.recipe_names(ours) == {
+        "critic/score/mean": 0.5, "actor/pg_clipfrac_upper": 0.01,
+        "actor/pg_clipfrac_eps_low": 0.02,            # ours, renamed: the recipe's "lower" is dual
+        "actor/pg_clipfrac_lower": 0.003, "actor/entropy": 1.5, "train/num_gen_batches": 3,
+        "actor/pg_clipfrac": 0.03}                    # clipped at either bound

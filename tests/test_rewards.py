@@ -306,3 +306,74 @@ def test_score_batch_one_off():
                                          num_workers=1)
     assert [r["acc"] for r in results] == [True, False]
     assert stats == {"n_error": 0, "n_timeout": 0}
+
+
+PLUGIN = '''
+import time
+
+def score(response, ground_truth, *, data_source, extra_info):
+    if "HANG" in response:
+        time.sleep(60)
+    if "BOOM" in response:
+        raise RuntimeError("plug-in exploded")
+    right = response.strip() == ground_truth
+    return {"score": 2.0 if right else -0.5, "acc": right,
+            "pred": f"{data_source}|{extra_info['tag'] if extra_info else None}"}
+
+def just_a_float(response, ground_truth, *, data_source, extra_info):
+    return float(len(response)) - 2.0
+
+NOT_A_FUNCTION = 3
+'''
+
+
+def test_plugin_from_a_file_runs_in_the_workers_with_the_rows_context(tmp_path, caplog):
+    (tmp_path / "my_reward.py").write_text(PLUGIN)
+    fn = rewards.get_reward_fn(f"{tmp_path}/my_reward.py:score")
+    contexts = [{"data_source": "aime", "extra_info": {"tag": i}} for i in range(5)]
+    with caplog.at_level(logging.WARNING), rewards.RewardScorer(fn, timeout_s=0.5,
+                                                                num_workers=2) as scorer:
+        results, stats = scorer.score_batch(["7", "8", "BOOM", "HANG", "9"],
+                                            ["7", "7", "7", "7", "9"], contexts)
+    assert results == [{"score": 2.0, "acc": True, "pred": "aime|0"},
+                       {"score": -0.5, "acc": False, "pred": "aime|1"},
+                       {"score": -1.0, "acc": False, "pred": rewards.ERROR},
+                       {"score": -1.0, "acc": False, "pred": rewards.TIMEOUT},
+                       {"score": 2.0, "acc": True, "pred": "aime|4"}]
+    assert stats == {"n_error": 1, "n_timeout": 1}
+    # A float is the score; acc is score > 0; no prediction.
+    results, _ = rewards.score_batch(rewards.get_reward_fn(f"{tmp_path}/my_reward.py:just_a_float"),
+                                     ["abc", "a"], ["x", "y"], num_workers=1)
+    assert results == [{"score": 1.0, "acc": True, "pred": ""},
+                       {"score": -1.0, "acc": False, "pred": ""}]
+
+
+def test_plugin_by_module_name(tmp_path, monkeypatch):
+    (tmp_path / "my_reward_module.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    fn = rewards.get_reward_fn("my_reward_module:score")
+    results, _ = rewards.score_batch(fn, ["7"], ["7"], num_workers=1)
+    assert results[0]["score"] == 2.0 and results[0]["pred"] == "|None"  # no context passed
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("{tmp}/missing.py:score", "reward.fn '{tmp}/missing.py:score': file {tmp}/missing.py does "
+                               "not exist"),
+    ("no_such_module_xyz:score", "reward.fn 'no_such_module_xyz:score': no module named "
+                                 "'no_such_module_xyz'"),
+    ("{tmp}/my_reward.py:nope", "reward.fn '{tmp}/my_reward.py:nope': {tmp}/my_reward.py has no "
+                                "function 'nope'; it defines ['just_a_float', 'score']"),
+    ("{tmp}/my_reward.py:NOT_A_FUNCTION", "has no function 'NOT_A_FUNCTION'"),
+    ("no_such_reward", "unknown reward fn 'no_such_reward'"),
+])
+def test_bad_reward_spec_is_one_line_at_config_check(spec, message, tmp_path):
+    from configs import dapo
+    from dapo_jax import run
+    from dapo_jax.errors import ConfigError
+    (tmp_path / "my_reward.py").write_text(PLUGIN)
+    config = dapo.get_config("tiny")
+    config.reward.fn = spec.format(tmp=tmp_path)
+    with pytest.raises(ConfigError) as e:
+        run.check_config(config)
+    assert message.format(tmp=tmp_path) in str(e.value) and "\n" not in str(e.value)
