@@ -10,8 +10,9 @@ import pytest
 import torch
 import transformers
 
-from conftest import build_hf_model
 from dapo_jax import hf_io, model, sharding
+
+from conftest import build_hf_model
 
 
 def _left_padded_batch(vocab):
@@ -97,14 +98,13 @@ def test_remat_changes_memory_not_maths(qwen2_dir):
     hf = hf_io.read_hf_config(qwen2_dir)
     mesh = sharding.make_mesh({"data": -1}, devices=jax.devices()[:1])
     grads, temp_bytes = [], {}
+    tokens, mask = _left_padded_batch(96)
+    long_tokens, long_mask = np.ones((2, 256), np.int32), np.ones((2, 256), bool)
     for remat in (False, True):
         m = model.Transformer(hf_io.config_from_hf(hf, dtype="float32", remat=remat))
         params = hf_io.load_params(qwen2_dir, m, mesh)
-        tokens, mask = _left_padded_batch(96)
-        loss = lambda p, m=m, tokens=tokens, mask=mask: jnp.sum(
-            model.forward(m, p, tokens, mask)[mask] ** 2)
+        loss = lambda p, m=m: jnp.sum(model.forward(m, p, tokens, mask)[mask] ** 2)
         grads.append(jax.grad(loss)(params))
-        long_tokens, long_mask = np.ones((2, 256), np.int32), np.ones((2, 256), bool)
         long_loss = lambda p, m=m: jnp.sum(model.forward(m, p, long_tokens, long_mask) ** 2)
         temp_bytes[remat] = (jax.jit(jax.grad(long_loss)).lower(params).compile()
                              .memory_analysis().temp_size_in_bytes)
@@ -138,7 +138,8 @@ def test_shape_mismatch_names_file_and_tensor(qwen2_dir, tmp_path):
         json.dump(cfg, f)
     m = model.Transformer(hf_io.config_from_hf(cfg, dtype="float32"))
     mesh = sharding.make_mesh({"data": -1}, devices=jax.devices()[:1])
-    with pytest.raises(ValueError, match=r"model\.safetensors: tensor model\.layers\.0\.mlp\.\w+_proj\.weight"):
+    with pytest.raises(ValueError,
+                       match=r"model\.safetensors: tensor model\.layers\.0\.mlp\.\w+_proj\.weight"):
         hf_io.load_params(str(bad), m, mesh)
 
 
