@@ -26,6 +26,7 @@ setuptools.setup(
     ],
     extras_require={
         # torch is only the reference implementation in parity tests; 2.13.0 is the CPU wheel.
+        # ruff: the linter (ruff.toml).
         "test": ["pytest>=8,<10", "torch==2.13.0", "math-verify>=0.9,<1", "ruff>=0.17,<0.18"],
         "tpu": ["jax[tpu]>=0.10.2,<0.11"],
     },
