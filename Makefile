@@ -1,9 +1,10 @@
-# Quick start: `make demo` runs the main job, `make test` runs the tests. Both create .venv first.
+# Quick start: `make demo` runs the main job, `make test` runs the tests (CI: the full suite),
+# `make test-fast` the edit loop's tier (no test marked slow). All create .venv first.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test venv clean
+.PHONY: demo test test-fast venv clean
 
 venv: $(VENV)/.installed
 
@@ -16,7 +17,10 @@ demo: venv
 	$(PY) -m dapo_jax.train --config=configs/dapo.py:tiny --workdir=runs/demo
 
 test: venv
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
+
+test-fast: venv
+	$(PY) -m pytest -q -m "not slow" --durations=5 tests
 
 clean:
 	rm -rf $(VENV) runs

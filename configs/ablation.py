@@ -1,4 +1,4 @@
-"""The DAPO paper's ablation table (spec section 9) as data: each row adds one technique to the
+"""The DAPO paper's ablation table (docs/dapo_spec.md section 9) as data: each row adds one technique to the
 row above, from naive GRPO (`configs/grpo.py`) to full DAPO (`configs/dapo.py`, key for key).
 One argument picks the row and the scale:
 
@@ -14,6 +14,7 @@ train batch of prompts per step.
 import ml_collections
 
 from configs import dapo, grpo
+from dapo_jax import overrides
 
 DAPO = object()  # "configs/dapo.py's value of this key, at the same scale"
 
@@ -54,7 +55,6 @@ def get_config(arg: str = "naive_grpo,tiny") -> ml_collections.ConfigDict:
     scale = scale or "tiny"
     c, reference = grpo.get_config(scale), dapo.get_config(scale)
     for _, keys in ROWS[:ROW_NAMES.index(row) + 1]:
-        for key, value in keys.items():
-            section, field = key.split(".")
-            c[section][field] = reference[section][field] if value is DAPO else value
+        overrides.apply(c, {k: overrides.get(reference, k) if v is DAPO else v
+                            for k, v in keys.items()})
     return c

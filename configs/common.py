@@ -4,14 +4,14 @@ import ml_collections
 
 from dapo_jax.data import DEFAULT_TEMPLATE
 
-DAPO_TEMPLATE = DEFAULT_TEMPLATE  # spec section 6
+DAPO_TEMPLATE = DEFAULT_TEMPLATE  # docs/dapo_spec.md section 6
 TINY_MODEL = "assets/tiny-qwen2"
 SYNTHETIC_TRAIN = "data/synthetic/train.parquet"
 SYNTHETIC_TEST = "data/synthetic/test.parquet"
 
 
 def dapo_loss() -> ml_collections.ConfigDict:
-    """The DAPO objective (spec sections 1-3)."""
+    """The DAPO objective (docs/dapo_spec.md sections 1-3)."""
     return ml_collections.ConfigDict(dict(
         eps_low=0.2,             # ε_low, lower clip of r_{i,t}
         eps_high=0.28,           # ε_high, Clip-Higher
@@ -25,7 +25,7 @@ def dapo_loss() -> ml_collections.ConfigDict:
 
 
 def dapo_reward(overlong_buffer: int) -> ml_collections.ConfigDict:
-    """math_dapo score plus soft overlong punishment (spec sections 4 and 6)."""
+    """math_dapo score plus soft overlong punishment (docs/dapo_spec.md sections 4 and 6)."""
     return ml_collections.ConfigDict(dict(
         fn="math_dapo",          # a name in dapo_jax.rewards.REWARD_FNS
         timeout_s=10.0,          # per-call limit; a hung or raising reward scores as wrong
@@ -38,7 +38,7 @@ def dapo_reward(overlong_buffer: int) -> ml_collections.ConfigDict:
 
 
 def dynamic_sampling(gen_batch_prompts: int, max_num_gen_batches: int) -> ml_collections.ConfigDict:
-    """The host-side filter of spec section 5."""
+    """The host-side filter of docs/dapo_spec.md section 5."""
     return ml_collections.ConfigDict(dict(
         enable=True,             # keep only groups whose metric is not all-equal
         metric="acc",            # acc (the recipe's DAPO script), score or reward

@@ -5,7 +5,7 @@
         --config.model.path=/ckpt/Qwen2.5-32B --config.data.train_files=/data/dapo-math-17k.parquet
 
 Variants: `tiny` (this CPU: the shipped 0.8M-parameter base model on the synthetic arithmetic task,
-a few minutes), `qwen2_5_7b` and `qwen2_5_32b` (the paper's settings, spec section 8, sized for
+a few minutes), `qwen2_5_7b` and `qwen2_5_32b` (the paper's settings, docs/dapo_spec.md section 8, sized for
 TPU v5p slices). Every key is set here; the trainer has no hidden defaults.
 """
 
@@ -21,7 +21,7 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
 
 
 def qwen2_5_32b() -> ml_collections.ConfigDict:
-    """The official 32B run (spec section 8): 512 prompts x G=16, 16 updates per step."""
+    """The official 32B run (docs/dapo_spec.md section 8): 512 prompts x G=16, 16 updates per step."""
     c = ml_collections.ConfigDict()
     c.seed = 0
     c.model = dict(path="/ckpt/Qwen2.5-32B", tokenizer_path="", dtype="bfloat16",
@@ -52,10 +52,10 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
     # steps once per rollout step, the first at lr 0. Here lr rises linearly over the
     # 20 x 16 updates, the first of them already at lr / 320 (dapo_jax.run.learning_rate_schedule).
     c.optim = dict(lr=1e-6, warmup_rollout_steps=20, schedule="constant", weight_decay=0.1,
-                   grad_clip=1.0, b1=0.9, b2=0.999)
+                   grad_clip=1.0, b1=0.9, b2=0.999, eps=1e-8)  # AdamW β1, β2, ε
     c.train = dict(
         steps=500,
-        train_batch_prompts=512,         # B groups per step (after dynamic sampling)
+        train_batch_prompts=512,         # P groups per step (after dynamic sampling)
         mini_batch_prompts=32,           # 32 x 16 = 512 responses: 16 updates per step
         micro_batch_size=32,             # responses per gradient-accumulation micro-batch
         length_bucket=2048,              # train on responses cut to a multiple of this length
@@ -94,9 +94,11 @@ def qwen3_8b() -> ml_collections.ConfigDict:
 
 def tiny() -> ml_collections.ConfigDict:
     """CPU scale: the shipped tiny base model on the shipped synthetic task, a few minutes."""
-    c = qwen2_5_32b()
+    c = ml_collections.ConfigDict()
+    c.seed = 0
     c.model = dict(path=common.TINY_MODEL, tokenizer_path="", dtype="float32",
                    param_dtype="float32", remat=False, attention_chunk=0)
+    c.reference = dict(path="")  # β = 0: no reference model is loaded or run
     c.mesh = dict(data=-1, fsdp=1, tensor=1)
     c.data = dict(
         train_files=(common.SYNTHETIC_TRAIN,),
@@ -107,18 +109,30 @@ def tiny() -> ml_collections.ConfigDict:
         max_prompt_len=48,
         prompt_buckets=(48,),
     )
-    c.rollout.group_size = 8
-    c.rollout.max_new_tokens = 96       # worked solutions take up to ~75 tokens
+    c.rollout = dict(
+        group_size=8,                    # G responses per prompt
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        max_new_tokens=96,               # L_max; worked solutions take up to ~75 tokens
+    )
     c.reward = common.dapo_reward(overlong_buffer=16)
     c.filter = common.dynamic_sampling(gen_batch_prompts=64, max_num_gen_batches=4)
+    c.loss = common.dapo_loss()
     # Chosen from runs on this CPU (2 cores), earlier base models included: lr 1e-5 and 5e-5
     # moved nothing in 20-30 steps, 3e-4 lost accuracy; on the shipped model 1e-4 with 4 updates a
     # rollout batch (mini-batches of 8 prompts x G) took held-out accuracy from 0.32 to 0.48 in
     # 10 steps and 0.52 in 40.
     c.optim = dict(lr=1e-4, warmup_rollout_steps=2, schedule="constant", weight_decay=0.1,
-                   grad_clip=1.0, b1=0.9, b2=0.999)
-    c.train = dict(steps=40, train_batch_prompts=32, mini_batch_prompts=8,
-                   micro_batch_size=64, length_bucket=16, max_consecutive_nonfinite=5)
+                   grad_clip=1.0, b1=0.9, b2=0.999, eps=1e-8)  # AdamW β1, β2, ε
+    c.train = dict(
+        steps=40,
+        train_batch_prompts=32,          # P groups per step (after dynamic sampling)
+        mini_batch_prompts=8,            # 8 x 8 = 64 responses: 4 updates per step
+        micro_batch_size=64,             # responses per gradient-accumulation micro-batch
+        length_bucket=16,                # train on responses cut to a multiple of this length
+        max_consecutive_nonfinite=5,     # stop (with a checkpoint) after this many skipped updates
+    )
     c.checkpoint = dict(every=5, keep=3, asynchronous=True)
     # Held-out at T = 1, top_p = 1 (the paper validates at top_p 0.7): the policy as it samples,
     # so the demo's before and after measure what RL trains.

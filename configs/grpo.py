@@ -1,5 +1,5 @@
 """Naive GRPO, the baseline the DAPO paper starts from: the first row of its ablation table
-(spec section 9), and the one definition of it (`configs/ablation.py:naive_grpo,SCALE` is this).
+(docs/dapo_spec.md section 9), and the one definition of it (`configs/ablation.py:naive_grpo,SCALE` is this).
 
     python -m dapo_jax.train --config=configs/grpo.py:tiny --workdir=runs/grpo_tiny
 

@@ -1,4 +1,4 @@
-"""The DAPO paper's ablation table (spec section 9), run and reported with one command each:
+"""The DAPO paper's ablation table (docs/dapo_spec.md section 9), run and reported with one command each:
 
     python -m dapo_jax.ablation run --scale=tiny --seeds=3 --workdir=runs/ablation
     python -m dapo_jax.ablation report runs/ablation --out=experiments/results/ablation_tiny
@@ -33,7 +33,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from dapo_jax import hf_io, metrics, sft, train, train_step
+from dapo_jax import hf_io, metrics, overrides, sft, train, train_step
 from dapo_jax.run import build, load_config_file
 
 SFT_CONTROL = "sft_control"
@@ -44,10 +44,7 @@ def row_config(module, row: str, scale: str, seed: int, quick: bool) -> ml_colle
     """One run's config: the row at the scale, with the seed (and the QUICK overrides)."""
     c = module.get_config(f"{row},{scale}")
     c.seed = seed
-    for key, value in (module.QUICK.items() if quick else ()):
-        section, field = key.split(".")
-        c[section][field] = value
-    return c
+    return overrides.apply(c, module.QUICK) if quick else c
 
 
 def run_dir(workdir: str, row: str, seed: int) -> str:
@@ -94,7 +91,7 @@ def sft_control(c: ml_collections.ConfigDict, workdir: str, *, lr: float) -> dic
     print(f"=== {SFT_CONTROL}: {workdir}", flush=True)
     run = build(c, workdir)
     try:
-        examples = [ex for ex in run.train_prompts.examples if ex["solution"]]
+        examples = [ex for ex in run.train_examples if ex["solution"]]
         if not examples:
             raise ValueError("the SFT control needs worked solutions (extra_info.solution) in "
                              "the training data; these files have none")
@@ -102,7 +99,8 @@ def sft_control(c: ml_collections.ConfigDict, workdir: str, *, lr: float) -> dic
         rows = c.train.mini_batch_prompts * c.rollout.group_size
         optimizer = train_step.make_optimizer(
             optax.constant_schedule(lr), weight_decay=c.optim.weight_decay,
-            max_grad_norm=c.optim.grad_clip, b1=c.optim.b1, b2=c.optim.b2)
+            max_grad_norm=c.optim.grad_clip, b1=c.optim.b1, b2=c.optim.b2,
+            eps=c.optim.eps)
         params = hf_io.load_params(c.model.path, run.model, run.mesh)
         opt_state = optimizer.init(params)
         solution_ids = run.tokenizer([ex["solution"] for ex in examples],
@@ -111,8 +109,7 @@ def sft_control(c: ml_collections.ConfigDict, workdir: str, *, lr: float) -> dic
         step = sft.make_sft_step(run.model, optimizer)
         rng = np.random.default_rng(c.seed)
         writer = metrics.MetricsWriter(workdir)
-        run.state = train_step.TrainState(np.int32(0), params, opt_state)
-        writer.write(0, train.evaluate(run, 0))
+        writer.write(0, train.evaluate(run, params, 0))
         t0, losses = time.time(), []
         for _ in range(updates):
             chosen = rng.integers(0, len(examples), rows)
@@ -122,10 +119,9 @@ def sft_control(c: ml_collections.ConfigDict, workdir: str, *, lr: float) -> dic
                                    seq_len)
             params, opt_state, loss = step(params, opt_state, *arrays)
             losses.append(loss)
-        run.state = train_step.TrainState(np.int32(updates), params, opt_state)
         last = {"sft/loss": float(np.mean(jax.device_get(losses[-10:]))),
                 "sft/updates": updates, "timing/train_s": time.time() - t0}
-        last.update(train.evaluate(run, c.train.steps))
+        last.update(train.evaluate(run, params, c.train.steps))
         last["sft/finished"] = 1
         writer.write(c.train.steps, last)
         writer.close()

@@ -1,7 +1,7 @@
 """Prompt data: DAPO-Math-17k / AIME-format files, templated and tokenised (a Hub dataset id in
 the config is resolved to its cached local files first, `hub.resolve_config`).
 
-Rows follow spec section 7: `prompt` (list of {role, content}), `reward_model.ground_truth`
+Rows follow docs/dapo_spec.md section 7: `prompt` (list of {role, content}), `reward_model.ground_truth`
 (string), optional `data_source`, `extra_info`. Loading a file:
   1. reads it: parquet with `datasets`; jsonl line by line with `json`, so one bad line is one
      malformed row rather than a failed file;
@@ -23,7 +23,7 @@ Rows follow spec section 7: `prompt` (list of {role, content}), `reward_model.gr
   5. puts the problem into `template` ("{problem}" marks where), then through the tokenizer's
      chat template as one user message when it has one and `use_chat_template` is set, else
      uses the plain text; tokenises (special tokens added only for plain text: a chat template
-     writes its own); truncates from the LEFT to `max_prompt_len` tokens (spec section 8).
+     writes its own); truncates from the LEFT to `max_prompt_len` tokens (docs/dapo_spec.md section 8).
 
 Tokenizer note: in transformers 5, `AutoTokenizer` on a directory whose config says qwen2 forces
 `Qwen2Tokenizer`, which drops the spaces of a custom tokenizer; load a custom one with
@@ -277,24 +277,22 @@ class PromptIterator:
         self._set(int(state["epoch"]), int(state["position"]))
 
 
-def pad_prompts(ids_list: list, buckets: tuple, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """Left-pads prompts to the smallest bucket length that fits the longest one.
+def pad_prompts(ids_list: list, length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Left-pads prompts to `length` tokens (the sampler re-pads to its smallest bucket).
 
-    Returns (tokens_PxL int32, mask_PxL bool), mask True on real tokens; left padding puts
-    every prompt's last token in column L-1, where generation starts.
+    Returns (tokens_PxQ int32, mask_PxQ bool), Q = `length`, mask True on real tokens; left
+    padding puts every prompt's last token in column Q-1, where generation starts.
     """
     if not ids_list:
         raise ValueError("pad_prompts needs at least one prompt")
     longest = max(len(ids) for ids in ids_list)
-    fitting = [b for b in sorted(buckets) if b >= longest]
-    if not fitting:
-        raise ValueError(f"a prompt of {longest} tokens is longer than the largest bucket "
-                         f"{max(buckets)}; raise it or lower max_prompt_len")
-    length = fitting[0]
-    tokens_PxL = np.full((len(ids_list), length), pad_id, np.int32)
-    mask_PxL = np.zeros((len(ids_list), length), bool)
+    if longest > length:
+        raise ValueError(f"a prompt of {longest} tokens is longer than {length}; raise "
+                         "data.max_prompt_len or truncate the prompt")
+    tokens_PxQ = np.full((len(ids_list), length), pad_id, np.int32)
+    mask_PxQ = np.zeros((len(ids_list), length), bool)
     for p, ids in enumerate(ids_list):
         if ids:
-            tokens_PxL[p, length - len(ids):] = ids
-            mask_PxL[p, length - len(ids):] = True
-    return tokens_PxL, mask_PxL
+            tokens_PxQ[p, length - len(ids):] = ids
+            mask_PxQ[p, length - len(ids):] = True
+    return tokens_PxQ, mask_PxQ

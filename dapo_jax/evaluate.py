@@ -61,15 +61,15 @@ def evaluate(c, *, workdir: str | None = None, step: int | None = None,
         run, step = build(c, out), 0
         params = hf_io.load_params(c.model.path, run.model, run.mesh)
     else:
-        run, step = export.restore(c, workdir, step)
-        params = run.state.params
+        run, state, step = export.restore(c, workdir, step)
+        params = state.params
         out = out or os.path.join(workdir, f"eval_step_{step}")
     if not run.eval_examples:
         run.scorer.close()
         raise ConfigError("no evaluation problems: set --data or the config's data.eval_files")
     rows = []
     try:
-        result = train.evaluate(run, step, params, rows,
+        result = train.evaluate(run, params, step, rows,
                                 ks=evaluation.default_ks(run.config.eval.samples))
     finally:
         run.scorer.close()

@@ -1,4 +1,4 @@
-"""Evaluation metrics over n samples per problem (spec section 7). Host code; no jax.
+"""Evaluation metrics over n samples per problem (docs/dapo_spec.md section 7). Host code; no jax.
 
 For a problem with n samples of which c are correct:
   avg@n   mean accuracy, c / n, averaged over problems (DAPO reports avg@32 on AIME 2024),

@@ -21,6 +21,7 @@ from absl import app, flags
 from dapo_jax import checkpoint, hub, paths, train
 from dapo_jax.errors import CheckpointError, ConfigError
 from dapo_jax.run import Run, build, check_config
+from dapo_jax.train_step import TrainState
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -34,8 +35,8 @@ def without_train_data(c):
     return c
 
 
-def restore(c, workdir: str, step: int | None = None) -> tuple[Run, int]:
-    """The run of config `c` with `run.state` restored from checkpoint `step` of `workdir`
+def restore(c, workdir: str, step: int | None = None) -> tuple[Run, TrainState, int]:
+    """The run of config `c` and its train state restored from checkpoint `step` of `workdir`
     (default the newest); a ConfigError naming the steps there are when it has no such one."""
     c = hub.resolve_config(without_train_data(c))
     check_config(c)
@@ -50,10 +51,10 @@ def restore(c, workdir: str, step: int | None = None) -> tuple[Run, int]:
             raise ConfigError(f"workdir {workdir!r} has no checkpoint of step {step}; its steps: "
                               f"{sorted(steps)}")
         run = build(c, workdir)
-        run.state, _ = ckpt.restore(step, run.abstract_state())
+        state, _ = ckpt.restore(step, run.abstract_state())
     finally:
         ckpt.close()
-    return run, step
+    return run, state, step
 
 
 def export(c, workdir: str, step: int | None = None, out: str | None = None,
@@ -62,9 +63,10 @@ def export(c, workdir: str, step: int | None = None, out: str | None = None,
     """Writes checkpoint `step` of `workdir` as a Hugging Face folder; returns (folder, step)."""
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r} is not one of {DTYPES}")
-    run, step = restore(c, workdir, step)
+    run, state, step = restore(c, workdir, step)
     try:
-        out = train.export_hf(run, out or os.path.join(workdir, f"export_step_{step}"), dtype)
+        out = train.export_hf(run, state.params, out or os.path.join(workdir, f"export_step_{step}"),
+                              dtype)
     finally:
         run.scorer.close()
     if push_to_hub:

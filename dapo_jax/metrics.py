@@ -58,7 +58,7 @@ def recipe_names(metrics: dict) -> dict:
                                     + metrics["actor/pg_clipfrac_lower"])
     return out
 
-# The console line: (metric key, label, format), spec section 10's headline figures. Accuracy
+# The console line: (metric key, label, format), docs/dapo_spec.md section 10's headline figures. Accuracy
 # and score are the policy's, over every sampled response (before the dynamic-sampling filter).
 CONSOLE = (
     ("before_filter/acc_mean", "acc", ".3f"),

@@ -1,10 +1,10 @@
 """From prompts to scored groups: sample G responses per prompt, decode, score, shape the reward.
 
-`generation_batch` is what the dynamic-sampling filter calls for one generation batch; `evaluate`
+`generation_batch` is one generation batch for the dynamic-sampling filter; `evaluate`
 runs the same path on held-out problems and reports avg@k / pass@k / maj@k. Only token ids, their
 log-probs, lengths and truncation flags come back from the device; text lives on the host.
 
-Shaped reward (spec section 4): R_i = score_i + overlong_penalty(|o_i|), with |o_i| counting the
+Shaped reward (docs/dapo_spec.md section 4): R_i = score_i + overlong_penalty(|o_i|), with |o_i| counting the
 EOS token; acc_i (the filter's signal) is the bare correctness.
 """
 
@@ -17,6 +17,7 @@ import numpy as np
 import tqdm
 
 from dapo_jax import data, evaluation, rewards, sharding
+from dapo_jax.records import GenerationBatch
 from dapo_jax.sampler import Sampler
 
 
@@ -30,18 +31,21 @@ class RewardShaping:
     penalty: bool               # soft overlong punishment on
     filter: bool                # overlong filtering: truncated responses carry no loss
 
+    def __post_init__(self):  # the penalty's own check (0 < L_buf <= L_max), at construction
+        rewards.overlong_penalties(np.zeros(0), self.max_len, self.buffer_len, self.factor)
+
 
 def sample_and_score(sampler: Sampler, params, examples: list[dict], group_size: int, rng,
-                     tokenizer, scorer: rewards.RewardScorer, prompt_len: int) -> dict:
-    """G responses to each of the P examples, scored: numpy arrays of B = P x G rows.
+                     tokenizer, scorer: rewards.RewardScorer, prompt_len: int) -> GenerationBatch:
+    """G responses to each of the P examples, decoded and scored: B = P x G rows.
 
-    Keys: prompt_tokens / prompt_mask (BxL, left padded to `prompt_len`), tokens / mask / logp
-    (BxN, the completion), length, truncated, score, acc, problem_id, and the lists `pred` and
-    `response_text`. The reward fn sees each row's `data_source` and `extra_info` too.
+    Prompts are left padded to `prompt_len`; the reward fn sees each row's `data_source` and
+    `extra_info` too. The reward is not shaped yet: reward_B is the score and every response
+    keeps its loss (`shape_rewards` applies the overlong rules).
     """
-    prompt_PxL, pmask_PxL = data.pad_prompts([ex["prompt_ids"] for ex in examples], (prompt_len,),
+    prompt_PxQ, pmask_PxQ = data.pad_prompts([ex["prompt_ids"] for ex in examples], prompt_len,
                                              sampler.config.pad_id)
-    out = sampler.generate(params, prompt_PxL, pmask_PxL, group_size, rng)  # trims to its bucket
+    out = sampler.generate(params, prompt_PxQ, pmask_PxQ, group_size, rng)  # trims to its bucket
     out = {k: sharding.to_host(v) for k, v in out.items()}
     texts = tokenizer.batch_decode([row[:n] for row, n in zip(out["tokens"], out["length"])],
                                    skip_special_tokens=True)
@@ -50,30 +54,32 @@ def sample_and_score(sampler: Sampler, params, examples: list[dict], group_size:
                 for ex in examples for _ in range(group_size)]
     results, _ = scorer.score_batch(texts, truths, contexts)
     repeat = lambda x: np.repeat(x, group_size, axis=0)
-    return {
-        "prompt_tokens": repeat(prompt_PxL), "prompt_mask": repeat(pmask_PxL),
-        "tokens": out["tokens"], "mask": out["mask"], "logp": out["logp"],
-        "length": out["length"].astype(np.int32), "truncated": out["truncated"].astype(bool),
-        "score": np.asarray([r["score"] for r in results], np.float32),
-        "acc": np.asarray([r["acc"] for r in results], bool),
-        "problem_id": repeat(np.asarray([ex["problem_id"] for ex in examples], np.int32)),
-        "pred": [r["pred"] for r in results], "response_text": texts,
-    }
+    score_B = np.asarray([r["score"] for r in results], np.float32)
+    return GenerationBatch(
+        prompt_tokens_BxQ=repeat(prompt_PxQ), prompt_mask_BxQ=repeat(pmask_PxQ),
+        tokens_BxN=out["tokens"], mask_BxN=out["mask"], logp_BxN=out["logp"],
+        length_B=out["length"].astype(np.int32), truncated_B=out["truncated"].astype(bool),
+        problem_id_B=repeat(np.asarray([ex["problem_id"] for ex in examples], np.int32)),
+        response_B=np.asarray(texts, str), pred_B=np.asarray([r["pred"] for r in results], str),
+        score_B=score_B, acc_B=np.asarray([r["acc"] for r in results], bool),
+        reward_B=score_B, loss_keep_B=np.ones(len(results), bool))
+
+
+def shape_rewards(batch: GenerationBatch, shaping: RewardShaping) -> GenerationBatch:
+    """The batch with the shaped reward R_i = score_i + overlong_penalty(|o_i|) and the
+    per-response loss keep flag (False for truncated responses under overlong filtering)."""
+    penalty_B = rewards.overlong_penalties(batch.length_B, shaping.max_len, shaping.buffer_len,
+                                           shaping.factor, enabled=shaping.penalty)
+    return dataclasses.replace(
+        batch, reward_B=(batch.score_B + penalty_B).astype(np.float32),
+        loss_keep_B=rewards.overlong_filter_mask(batch.truncated_B, enabled=shaping.filter))
 
 
 def generation_batch(sampler, params, examples, group_size, rng, tokenizer, scorer, prompt_len,
-                     shaping: RewardShaping) -> dict:
-    """One generation batch for the dynamic-sampling filter: `sample_and_score` plus the shaped
-    reward R_i and the per-response loss keep flag (False for truncated responses under overlong
-    filtering). Every value is a numpy array with a leading dim of B = P x G."""
-    batch = sample_and_score(sampler, params, examples, group_size, rng, tokenizer, scorer,
-                             prompt_len)
-    del batch["pred"], batch["response_text"]
-    penalty = rewards.overlong_penalties(batch["length"], shaping.max_len, shaping.buffer_len,
-                                         shaping.factor, enabled=shaping.penalty)
-    batch["reward"] = (batch["score"] + penalty).astype(np.float32)
-    batch["loss_keep"] = rewards.overlong_filter_mask(batch["truncated"], enabled=shaping.filter)
-    return batch
+                     shaping: RewardShaping) -> GenerationBatch:
+    """One generation batch for the dynamic-sampling filter: sampled, scored and shaped."""
+    return shape_rewards(sample_and_score(sampler, params, examples, group_size, rng, tokenizer,
+                                          scorer, prompt_len), shaping)
 
 
 def evaluate(sampler, params, examples, samples: int, rng, tokenizer, scorer, prompt_len,
@@ -90,9 +96,9 @@ def evaluate(sampler, params, examples, samples: int, rng, tokenizer, scorer, pr
         n_real = len(examples[i * batch_prompts:(i + 1) * batch_prompts]) * samples
         out = sample_and_score(sampler, params, chunk, samples, jax.random.fold_in(rng, i),
                                tokenizer, scorer, prompt_len)
-        records += [{"problem_id": int(p), "pred": pred, "acc": bool(a)} for p, pred, a in
-                    zip(out["problem_id"][:n_real], out["pred"][:n_real], out["acc"][:n_real])]
-        lengths.append(out["length"][:n_real])
+        records += [{"problem_id": int(p), "pred": str(pred), "acc": bool(a)} for p, pred, a in
+                    zip(out.problem_id_B[:n_real], out.pred_B[:n_real], out.acc_B[:n_real])]
+        lengths.append(out.length_B[:n_real])
         if sample_rows is not None:
             sample_rows += _sample_rows(chunk, samples, out, n_real)
     result = evaluation.evaluate(records, ks=ks or [samples])
@@ -101,14 +107,15 @@ def evaluate(sampler, params, examples, samples: int, rng, tokenizer, scorer, pr
     return metrics
 
 
-def _sample_rows(examples: list[dict], samples: int, out: dict, n_real: int) -> list[dict]:
+def _sample_rows(examples: list[dict], samples: int, out: GenerationBatch,
+                 n_real: int) -> list[dict]:
     """One readable record per sample of `sample_and_score`'s output (the first n_real rows)."""
     rows = []
     for b in range(n_real):
         example = examples[b // samples]
-        rows.append({"problem_id": int(out["problem_id"][b]), "sample": b % samples,
-                     "prompt": example["prompt_text"], "response": out["response_text"][b],
-                     "pred": out["pred"][b], "ground_truth": example["ground_truth"],
-                     "score": float(out["score"][b]), "acc": bool(out["acc"][b]),
-                     "length": int(out["length"][b]), "truncated": bool(out["truncated"][b])})
+        rows.append({"problem_id": int(out.problem_id_B[b]), "sample": b % samples,
+                     "prompt": example["prompt_text"], "response": str(out.response_B[b]),
+                     "pred": str(out.pred_B[b]), "ground_truth": example["ground_truth"],
+                     "score": float(out.score_B[b]), "acc": bool(out.acc_B[b]),
+                     "length": int(out.length_B[b]), "truncated": bool(out.truncated_B[b])})
     return rows

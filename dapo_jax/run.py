@@ -1,5 +1,5 @@
 """One run's pieces: the config's checks, then the mesh, model, tokenizer, data, samplers,
-compiled steps, reward workers and dynamic-sampling filter that `train.py` drives.
+compiled steps and reward workers that the loop in `train.py` drives.
 
 Every knob comes from the config (configs/*.py); nothing here has a default of its own.
 """
@@ -16,11 +16,10 @@ import ml_collections
 from absl import logging
 from etils import epath
 
-from dapo_jax import (data, dynamic_sampling, hf_io, metrics, model, objective, rewards, rollout,
-                      sharding, train_step)
+from dapo_jax import (data, dynamic_sampling, hf_io, metrics, model, objective, overrides,
+                      rewards, rollout, sharding, train_step)
 from dapo_jax.errors import ConfigError
 from dapo_jax.sampler import Sampler, SamplingConfig
-
 
 # The range of every numeric knob, as an interval: "[a, b)" includes a and excludes b.
 _RANGES = {
@@ -34,7 +33,7 @@ _RANGES = {
     "loss.norm_const": "[0, inf)", "loss.beta": "[0, inf)", "loss.entropy_coef": "[0, inf)",
     "optim.lr": "(0, inf)", "optim.warmup_rollout_steps": "[0, inf)",
     "optim.weight_decay": "[0, inf)", "optim.grad_clip": "(0, inf)", "optim.b1": "[0, 1)",
-    "optim.b2": "[0, 1)",
+    "optim.b2": "[0, 1)", "optim.eps": "(0, inf)",
     "reward.timeout_s": "(0, inf)", "reward.num_workers": "[1, inf)",
     "reward.overlong_buffer": "[1, inf)", "reward.overlong_factor": "[0, inf)",
     "filter.gen_batch_prompts": "[1, inf)", "filter.max_num_gen_batches": "[0, inf)",
@@ -56,8 +55,7 @@ def in_interval(value: float, interval: str) -> bool:
 def check_ranges(c: ml_collections.ConfigDict) -> None:
     """A ConfigError naming the first knob of `_RANGES` whose value lies outside its range."""
     for key, interval in _RANGES.items():
-        section, field = key.split(".")
-        value = c[section][field]
+        value = overrides.get(c, key)
         if not in_interval(value, interval):
             raise ConfigError(f"{key} must be in {interval}, got {value!r}")
 
@@ -108,16 +106,13 @@ def check_config(c: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"loss.clip_ratio_c must be 0 (off) or > 1, got {c.loss.clip_ratio_c}")
     if c.loss.agg_mode not in objective.AGG_MODES:
         raise ConfigError(f"loss.agg_mode {c.loss.agg_mode!r} is not one of {objective.AGG_MODES}")
-    try:
-        rewards.get_reward_fn(c.reward.fn)  # a plug-in is imported here, once, to check it
-    except (ValueError, ImportError) as e:
-        raise ConfigError(str(e)) from None
+    for section, make in (("reward", lambda: rewards.get_reward_fn(c.reward.fn)),
+                          ("filter", lambda: make_filter(c))):
+        try:  # the constructors' own checks (a reward plug-in is imported here, once, to check
+            make()  # it), run now rather than after the model has loaded
+        except (ValueError, ImportError) as e:
+            raise ConfigError(f"config.{section}: {e}") from None
     _check_tracking(c)
-    if c.filter.metric not in dynamic_sampling.FILTER_METRICS:
-        raise ConfigError(f"filter.metric {c.filter.metric!r} is not one of "
-                          f"{dynamic_sampling.FILTER_METRICS}")
-    if c.filter.on_exhausted not in ("mask", "raise"):
-        raise ConfigError(f"filter.on_exhausted must be 'mask' or 'raise', got {c.filter.on_exhausted!r}")
     t, g = c.train, c.rollout.group_size
     if t.train_batch_prompts % t.mini_batch_prompts:
         raise ConfigError(f"train.train_batch_prompts {t.train_batch_prompts} is not a multiple "
@@ -151,10 +146,10 @@ def _check_tracking(c: ml_collections.ConfigDict) -> None:
     profile_steps(c.profile.steps)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Run:
-    """Everything one run holds, built once by `build`. `state` and `step` are the policy the
-    dynamic-sampling filter samples from: the loop sets them before it asks for a batch."""
+    """The built, immutable pieces of one run (`build`). The loop in `train.py` holds what
+    changes: the train state, the data order and the dynamic-sampling filter."""
 
     config: ml_collections.ConfigDict
     workdir: str
@@ -169,29 +164,9 @@ class Run:
     eval_sampler: Sampler
     scorer: rewards.RewardScorer
     shaping: rollout.RewardShaping
-    train_prompts: data.PromptIterator
+    train_examples: list      # in load order; `data.PromptIterator` draws from them
     eval_examples: list
-    filter: dynamic_sampling.DynamicSampler | None = None
     ref_params: object = None
-    state: train_step.TrainState | None = None
-    step: int = 0
-    gen_batches: int = 0
-    progress: object = None   # a tqdm bar over the step's generation batches, if any
-
-    def generation_batch(self) -> dict:
-        """One generation batch for the filter, keyed by (seed, step, generation batch index) so
-        that a resumed run draws exactly what the uninterrupted one did."""
-        c = self.config
-        rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(c.seed), self.step),
-                                 self.gen_batches)
-        self.gen_batches += 1
-        examples = self.train_prompts.next_batch(c.filter.gen_batch_prompts)
-        batch = rollout.generation_batch(self.sampler, self.state.params, examples,
-                                         c.rollout.group_size, rng, self.tokenizer, self.scorer,
-                                         c.data.max_prompt_len, self.shaping)
-        if self.progress is not None:
-            self.progress.update()
-        return batch
 
     def abstract_state(self) -> train_step.TrainState:
         """The train state as ShapeDtypeStructs with their shardings: a checkpoint's restore target."""
@@ -246,7 +221,7 @@ def _ids(x) -> tuple[int, ...]:
 
 
 def build(c: ml_collections.ConfigDict, workdir: str) -> Run:
-    """The mesh, model, tokenizer, data, samplers, compiled steps, reward workers and filter."""
+    """The mesh, model, tokenizer, data, samplers, compiled steps and reward workers."""
     mesh = sharding.make_mesh(c.mesh)
     numerics = dict(dtype=c.model.dtype, param_dtype=c.model.param_dtype, remat=c.model.remat,
                     attention_chunk=c.model.attention_chunk)
@@ -268,12 +243,8 @@ def build(c: ml_collections.ConfigDict, workdir: str) -> Run:
     schedule = learning_rate_schedule(c)
     optimizer = train_step.make_optimizer(schedule, weight_decay=c.optim.weight_decay,
                                           max_grad_norm=c.optim.grad_clip, b1=c.optim.b1,
-                                          b2=c.optim.b2)
-    loss_cfg = train_step.LossConfig(
-        eps_low=c.loss.eps_low, eps_high=c.loss.eps_high,
-        clip_ratio_c=c.loss.clip_ratio_c or None, agg_mode=c.loss.agg_mode,
-        norm_const=c.loss.norm_const or c.rollout.max_new_tokens, beta=c.loss.beta,
-        entropy_coef=c.loss.entropy_coef, temperature=c.rollout.temperature)
+                                          b2=c.optim.b2, eps=c.optim.eps)
+    loss_cfg = loss_config(c)
     g = c.rollout.group_size
     step_fn = train_step.make_train_step(
         m, optimizer, schedule, loss_cfg, mesh, c.train.mini_batch_prompts * g // c.train.micro_batch_size)
@@ -286,16 +257,27 @@ def build(c: ml_collections.ConfigDict, workdir: str) -> Run:
     eval_examples = _load_prompts(c.data.eval_files, tokenizer, c, dedup=True)
     if c.eval.max_problems:
         eval_examples = eval_examples[:c.eval.max_problems]
-    train_prompts = data.PromptIterator(_load_prompts(c.data.train_files, tokenizer, c,
-                                                      c.data.dedup), c.seed)
+    train_examples = _load_prompts(c.data.train_files, tokenizer, c, c.data.dedup)
+    ref_params = hf_io.load_params(c.reference.path, m, mesh) if c.loss.beta > 0 else None
     scorer = rewards.RewardScorer(rewards.get_reward_fn(c.reward.fn), c.reward.timeout_s,
                                   c.reward.num_workers)
-    run = Run(c, workdir, mesh, hf_config, tokenizer, m, optimizer, step_fn, logprobs_fn, sampler,
-              eval_sampler, scorer, shaping, train_prompts, eval_examples)
-    run.filter = dynamic_sampling.DynamicSampler(
-        run.generation_batch, c.train.train_batch_prompts, g, c.filter.max_num_gen_batches,
+    return Run(c, workdir, mesh, hf_config, tokenizer, m, optimizer, step_fn, logprobs_fn,
+               sampler, eval_sampler, scorer, shaping, train_examples, eval_examples, ref_params)
+
+
+def loss_config(c: ml_collections.ConfigDict) -> train_step.LossConfig:
+    """The policy loss's knobs: config.loss's keys of the same names (normalize_std belongs to
+    the advantages), 0 meaning off for c and L_max for L_const, the rollout's temperature."""
+    same_name = {f.name for f in dataclasses.fields(train_step.LossConfig)} & set(c.loss)
+    return train_step.LossConfig(**{
+        **{k: c.loss[k] for k in same_name}, "clip_ratio_c": c.loss.clip_ratio_c or None,
+        "norm_const": c.loss.norm_const or c.rollout.max_new_tokens,
+        "temperature": c.rollout.temperature})
+
+
+def make_filter(c: ml_collections.ConfigDict) -> dynamic_sampling.DynamicSampler:
+    """The config's dynamic-sampling filter (config.filter), empty."""
+    return dynamic_sampling.DynamicSampler(
+        c.train.train_batch_prompts, c.rollout.group_size, c.filter.max_num_gen_batches,
         filter_groups=c.filter.enable, metric=c.filter.metric, carry_over=c.filter.carry_over,
         on_exhausted=c.filter.on_exhausted)
-    if c.loss.beta > 0:
-        run.ref_params = hf_io.load_params(c.reference.path, m, mesh)
-    return run

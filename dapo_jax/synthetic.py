@@ -13,7 +13,7 @@ math_dapo reads:
 so its length grows with the number of operations n - 1. Generation is deterministic in the seed.
 The alphabet is small and ASCII: digits, "+-*=.: ", newline and the letters of "Compute Answer".
 
-Rows follow spec section 7: `data_source`, `prompt` = [{"role": "user", "content": problem}]
+Rows follow docs/dapo_spec.md section 7: `data_source`, `prompt` = [{"role": "user", "content": problem}]
 (the bare problem; `data.py` applies the prompt template), `ability`, `reward_model`
 {ground_truth: the integer as a string, style: "rule"}, `extra_info` {index, n_ops, solution, split}.
 Test problems never appear in the train split.

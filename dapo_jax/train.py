@@ -1,6 +1,6 @@
 """The DAPO training run: `python -m dapo_jax.train --config=configs/dapo.py:tiny --workdir=DIR`.
 
-One step (spec sections 1-5):
+One step (docs/dapo_spec.md sections 1-5; the README draws it):
   1. dynamic sampling: generation batches of `gen_batch_prompts` prompts x G responses (sampler on
      the policy's own sharded params), decoded, scored, overlong-shaped, until `train_batch_prompts`
      groups with mixed correctness are kept (or the bound is hit: missing groups are masked);
@@ -27,6 +27,7 @@ Run it from the repository root (the config files import `configs.common`).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import shutil
@@ -43,12 +44,12 @@ from absl import app, flags, logging
 from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
-from dapo_jax import (checkpoint, hf_io, hub, metrics, objective, paths, plot, rollout,
-                      sharding,
-                      train_step)
+from dapo_jax import (checkpoint, data, dynamic_sampling, hf_io, hub, metrics, objective,
+                      overrides, paths, plot, rollout, sharding, train_step)
 from dapo_jax.errors import CheckpointError
+from dapo_jax.records import TrainBatch
 from dapo_jax.run import (ConfigError, Run, build, check_config, check_workdir, load_config_file,
-                          profile_steps)
+                          make_filter, profile_steps)
 
 PREEMPTED = 75  # exit status after SIGTERM's checkpoint (EX_TEMPFAIL: requeue me)
 
@@ -69,23 +70,24 @@ _CHECKPOINT_DIR = flags.DEFINE_string(
     "every process sees, e.g. gs://..., when the processes' workdirs are apart")
 
 
-def _rollout_arrays(batch: dict, group_size: int, normalize_std: bool, length_bucket: int) -> dict:
+def _rollout(batch: TrainBatch, group_size: int, normalize_std: bool,
+             length_bucket: int) -> train_step.Rollout:
     """Host arrays of the train batch: prompt + response tokens, masks and advantages A_i.
 
     Response columns past the longest response are cut, rounded up to a multiple of
     `length_bucket`: the trainer then compiles at most N / length_bucket shapes and does not
     spend its FLOPs on padding when responses are short."""
-    valid_B = batch["valid"]
-    n = batch["tokens"].shape[1]
-    width = min(n, -(-max(int(batch["length"].max()), 1) // length_bucket) * length_bucket)
-    response = {k: batch[k][:, :width] for k in ("tokens", "mask")}
-    tokens = np.concatenate([batch["prompt_tokens"], response["tokens"]], axis=1)
-    mask = np.concatenate([batch["prompt_mask"], response["mask"]], axis=1)
-    response_keep = response["mask"] & (valid_B & batch["loss_keep"])[:, None]
-    loss_mask = np.concatenate([np.zeros_like(batch["prompt_mask"]), response_keep], axis=1)
-    adv = np.asarray(objective.group_advantages(batch["reward"], group_size, normalize_std))
-    return {"tokens": tokens.astype(np.int32), "mask": mask, "loss_mask": loss_mask,
-            "adv": np.where(valid_B, adv, 0.0).astype(np.float32)}
+    rows, valid_B = batch.rows, batch.valid_B
+    n = rows.tokens_BxN.shape[1]
+    width = min(n, -(-max(int(rows.length_B.max()), 1) // length_bucket) * length_bucket)
+    response_mask_BxN = rows.mask_BxN[:, :width]
+    tokens_BxT = np.concatenate([rows.prompt_tokens_BxQ, rows.tokens_BxN[:, :width]], axis=1)
+    mask_BxT = np.concatenate([rows.prompt_mask_BxQ, response_mask_BxN], axis=1)
+    keep_BxN = response_mask_BxN & (valid_B & rows.loss_keep_B)[:, None]
+    loss_mask_BxT = np.concatenate([np.zeros_like(rows.prompt_mask_BxQ), keep_BxN], axis=1)
+    adv_B = np.asarray(objective.group_advantages(rows.reward_B, group_size, normalize_std))
+    return train_step.Rollout(tokens_BxT.astype(np.int32), mask_BxT, loss_mask_BxT,
+                              np.where(valid_B, adv_B, 0.0).astype(np.float32))
 
 
 def _to_device(x: np.ndarray, mesh):
@@ -94,36 +96,36 @@ def _to_device(x: np.ndarray, mesh):
     return jax.make_array_from_callback(x.shape, s, lambda index: x[index])
 
 
-def _data_metrics(batch: dict) -> dict:
+def _data_metrics(batch: TrainBatch) -> dict:
     """Score, reward, accuracy, length and truncation of the rows trained on (after the filter)."""
-    v = batch["valid"]
+    v = batch.valid_B
     if not v.any():
         return {}
-    length = batch["length"][v]
-    return {"data/score_mean": float(batch["score"][v].mean()),
-            "data/reward_mean": float(batch["reward"][v].mean()),
-            "data/acc_mean": float(batch["acc"][v].mean()),
-            "data/response_length_mean": float(length.mean()),
-            "data/response_length_max": float(length.max()),
-            "data/response_length_min": float(length.min()),
-            "data/truncated_fraction": float(batch["truncated"][v].mean())}
+    rows = batch.rows.rows(v)
+    return {"data/score_mean": float(rows.score_B.mean()),
+            "data/reward_mean": float(rows.reward_B.mean()),
+            "data/acc_mean": float(rows.acc_B.mean()),
+            "data/response_length_mean": float(rows.length_B.mean()),
+            "data/response_length_max": float(rows.length_B.max()),
+            "data/response_length_min": float(rows.length_B.min()),
+            "data/truncated_fraction": float(rows.truncated_B.mean())}
 
 
-def _logp_agreement(batch: dict, old_logp_BxT: np.ndarray, loss_mask_BxT: np.ndarray,
-                    carried_rows: int) -> dict:
-    """|log pi_sampler - log pi_old| over the trained response tokens: the importance ratio of the
-    first update is exactly 1 only if the sampler and the trainer agree (spec section 2). The
-    first `carried_rows` rows (groups carried over from the last step, sampled under the policy
-    before its update) are measured apart: their difference is the update's, not a mismatch."""
-    prompt_len = batch["prompt_tokens"].shape[1]
+def _logp_agreement(sampler_logp_BxN: np.ndarray, prompt_len: int, old_logp_BxT: np.ndarray,
+                    loss_mask_BxT: np.ndarray, carried_B: np.ndarray) -> dict:
+    """|log pi_sampler - log pi_old| over the trained response tokens (the columns of T after
+    the `prompt_len` prompt ones): the importance ratio of the first update is exactly 1 only if
+    the sampler and the trainer agree (docs/dapo_spec.md section 2). Rows of `carried_B` (groups
+    carried over from the last step, sampled under the policy before its update) are measured
+    apart: their difference is the update's, not a mismatch."""
     mask_BxN = loss_mask_BxT[:, prompt_len:]
-    diff_BxN = np.abs(batch["logp"][:, :mask_BxN.shape[1]] - old_logp_BxT[:, prompt_len:])
+    diff_BxN = np.abs(sampler_logp_BxN[:, :mask_BxN.shape[1]] - old_logp_BxT[:, prompt_len:])
     out = {}
-    fresh = diff_BxN[carried_rows:][mask_BxN[carried_rows:]]
+    fresh = diff_BxN[~carried_B][mask_BxN[~carried_B]]
     if fresh.size:
         out.update({"rollout/logp_diff_mean": float(fresh.mean()),
                     "rollout/logp_diff_max": float(fresh.max())})
-    carried = diff_BxN[:carried_rows][mask_BxN[:carried_rows]]
+    carried = diff_BxN[carried_B][mask_BxN[carried_B]]
     if carried.size:
         out["rollout/carried_logp_diff_mean"] = float(carried.mean())
     return out
@@ -179,13 +181,12 @@ def _peer_failure(error: Exception, run: Run) -> None:
     os._exit(1)
 
 
-def evaluate(run: Run, step: int, params=None, sample_rows: list | None = None,
-             ks=None) -> dict:
-    """Held-out avg@k / pass@k / maj@k of `params` (default `run.state.params`) with the
-    config's eval settings; also `python -m dapo_jax.evaluate`'s, which passes `sample_rows`."""
+def evaluate(run: Run, params, step: int, sample_rows: list | None = None, ks=None) -> dict:
+    """Held-out avg@k / pass@k / maj@k of `params` with the config's eval settings; also
+    `python -m dapo_jax.evaluate`'s, which passes `sample_rows` and `ks`."""
     t0 = time.time()
-    result = rollout.evaluate(run.eval_sampler, run.state.params if params is None else params,
-                              run.eval_examples, run.config.eval.samples,
+    result = rollout.evaluate(run.eval_sampler, params, run.eval_examples,
+                              run.config.eval.samples,
                               jax.random.fold_in(jax.random.key(run.config.seed + 1), step),
                               run.tokenizer, run.scorer, run.config.data.max_prompt_len,
                               run.config.eval.batch_prompts, sample_rows, ks)
@@ -193,24 +194,24 @@ def evaluate(run: Run, step: int, params=None, sample_rows: list | None = None,
     return result
 
 
-def export_hf(run: Run, out: str | None = None, dtype: str | None = None) -> str:
-    """The policy as a Hugging Face model directory (weights, config, tokenizer), by default the
+def export_hf(run: Run, params, out: str | None = None, dtype: str | None = None) -> str:
+    """`params` as a Hugging Face model directory (weights, config, tokenizer), by default the
     workdir's `export/` in `export.dtype`; also `python -m dapo_jax.export`'s. Written to a local
     folder and checked there, then copied through the path layer when `out` is a URL."""
     out = out or str(paths.run_path(run.workdir) / "export")
     dtype = dtype or run.config.export.dtype
     if not paths.is_url(out):
-        _write_export(run, out, dtype)
+        _write_export(run, params, out, dtype)
         return out
     with tempfile.TemporaryDirectory(prefix="dapo-export-") as local:
-        _write_export(run, local, dtype)
+        _write_export(run, params, local, dtype)
         if jax.process_index() == 0:
             paths.upload_tree(local, out)
     return out
 
 
-def _write_export(run: Run, out: str, dtype: str) -> None:
-    hf_io.save_params(run.state.params, run.hf_config, out, dtype=dtype)
+def _write_export(run: Run, params, out: str, dtype: str) -> None:
+    hf_io.save_params(params, run.hf_config, out, dtype=dtype)
     if jax.process_index() == 0:
         run.tokenizer.save_pretrained(out)
         gen = os.path.join(run.config.model.path, "generation_config.json")
@@ -233,60 +234,74 @@ def _trace(workdir: str, step: int, steps: set[int]):
         jax.profiler.stop_trace()
 
 
-def _restore_or_start(run: Run, ckpt: checkpoint.Checkpointer) -> tuple[int, int]:
-    """Sets `run.state` from the newest checkpoint that restores (and the data order and the
-    filter's carry), or from the base model. Returns (last completed step, non-finite updates in
-    a row)."""
+def _restore_or_start(run: Run, ckpt: checkpoint.Checkpointer, prompts: data.PromptIterator,
+                      filt: dynamic_sampling.DynamicSampler) -> tuple[int, train_step.TrainState, int]:
+    """The newest checkpoint that restores (its state, and the data order and the filter's
+    carry restored into `prompts` and `filt`), or the base model. Returns (last completed step,
+    train state, non-finite updates in a row)."""
     c = run.config
     restored = ckpt.restore_latest(run.abstract_state())
     if restored is None:
         params = hf_io.load_params(c.model.path, run.model, run.mesh)
-        run.state = train_step.init_train_state(run.model, run.optimizer, run.mesh, params)
-        return 0, 0
-    start, run.state, host = restored
+        return 0, train_step.init_train_state(run.model, run.optimizer, run.mesh, params), 0
+    start, state, host = restored
     if int(host["seed"]) != c.seed:
         raise ConfigError(f"{run.workdir} holds a run with seed {int(host['seed'])}, not {c.seed}")
-    run.train_prompts.restore(host["data"])
-    run.filter.restore(host["filter"])
+    prompts.restore(host["data"])
+    filt.restore(host["filter"])
     print(f"resumed from {ckpt.directory} at step {start}", flush=True)
-    return start, int(host["nonfinite_run"])
+    return start, state, int(host["nonfinite_run"])
 
 
-def _step(run: Run, step: int) -> dict:
-    """One DAPO step on `run.state` (updated in place); returns the step's metrics."""
+def _sample_train_batch(run: Run, params, prompts: data.PromptIterator,
+                        filt: dynamic_sampling.DynamicSampler, step: int) -> tuple[TrainBatch, dict]:
+    """Dynamic sampling: generation batches into `filt` until it is full or its bound is hit.
+    Generation batch i of `step` samples with the key (seed, step, i), so that a resumed run
+    draws exactly what the uninterrupted one did."""
+    c = run.config
+    with tqdm.tqdm(total=c.filter.max_num_gen_batches, desc=f"rollout {step}", unit="gen batch",
+                   leave=False, disable=None) as progress:
+        for i in itertools.count():
+            if filt.full or filt.bound_reached:
+                break
+            rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(c.seed), step), i)
+            filt.add(rollout.generation_batch(
+                run.sampler, params, prompts.next_batch(c.filter.gen_batch_prompts),
+                c.rollout.group_size, rng, run.tokenizer, run.scorer, c.data.max_prompt_len,
+                run.shaping))
+            progress.update()
+    return filt.take()
+
+
+def _step(run: Run, state: train_step.TrainState, prompts: data.PromptIterator,
+          filt: dynamic_sampling.DynamicSampler, step: int) -> tuple[train_step.TrainState, dict]:
+    """One DAPO step: sample and filter, advantages, log pi_old, the updates; (state, metrics)."""
     c = run.config
     t0 = time.time()
-    run.step, run.gen_batches = step, 0
-    with tqdm.tqdm(total=c.filter.max_num_gen_batches, desc=f"rollout {step}", unit="gen batch",
-                   leave=False, disable=None) as run.progress:
-        batch, filter_stats = run.filter.next_batch()
+    batch, filter_stats = _sample_train_batch(run, state.params, prompts, filt, step)
     t_rollout = time.time() - t0
-    arrays = _rollout_arrays(batch, c.rollout.group_size, c.loss.normalize_std,
-                             c.train.length_bucket)
-    rollout_batch = train_step.Rollout(*(_to_device(arrays[k], run.mesh)
-                                         for k in ("tokens", "mask", "loss_mask", "adv")))
+    host = _rollout(batch, c.rollout.group_size, c.loss.normalize_std, c.train.length_bucket)
+    device = train_step.Rollout(*(_to_device(x, run.mesh) for x in host))
     t1 = time.time()
-    old_logp_BxT = run.logprobs_fn(run.state.params, rollout_batch.tokens_BxT,
-                                   rollout_batch.mask_BxT)
-    run.state, updates = train_step.train_on_rollout(
-        run.train_step, run.logprobs_fn, run.mesh, run.state, rollout_batch,
+    old_logp_BxT = run.logprobs_fn(state.params, device.tokens_BxT, device.mask_BxT)
+    state, updates = train_step.train_on_rollout(
+        run.train_step, run.logprobs_fn, run.mesh, state, device,
         c.train.train_batch_prompts // c.train.mini_batch_prompts, run.ref_params, old_logp_BxT)
     updates = jax.device_get(updates)
     t_train = time.time() - t1
     out = {**_data_metrics(batch), **filter_stats,
-           **_logp_agreement(batch, sharding.to_host(old_logp_BxT), arrays["loss_mask"],
-                             filter_stats["dynamic_sampling/groups_carried_in"]
-                             * c.rollout.group_size),
+           **_logp_agreement(batch.rows.logp_BxN, batch.rows.prompt_tokens_BxQ.shape[1],
+                             sharding.to_host(old_logp_BxT), host.loss_mask_BxT, batch.carried_B),
            **{f"actor/{k}": float(np.mean([u[k] for u in updates])) for k in updates[0]}}
     out.update({
         "actor/skipped_updates": int(sum(u["skipped"] for u in updates)),
         "timing/rollout_s": t_rollout, "timing/train_s": t_train,
         "timing/step_s": time.time() - t0,
-        "throughput/sample_tokens_per_s": float(batch["length"].sum()) / max(t_rollout, 1e-9),
-        "throughput/train_tokens_per_s": float(arrays["mask"].sum()) / max(t_train, 1e-9),
+        "throughput/sample_tokens_per_s": float(batch.rows.length_B.sum()) / max(t_rollout, 1e-9),
+        "throughput/train_tokens_per_s": float(host.mask_BxT.sum()) / max(t_train, 1e-9),
         "reward/errors_total": run.scorer.totals["n_error"],
         "reward/timeouts_total": run.scorer.totals["n_timeout"]})
-    return out
+    return state, out
 
 
 def train(c: ml_collections.ConfigDict, workdir: str, checkpoint_dir: str | None = None) -> dict:
@@ -300,8 +315,9 @@ def train(c: ml_collections.ConfigDict, workdir: str, checkpoint_dir: str | None
     run = build(c, workdir)
     ckpt = checkpoint.Checkpointer(workdir, keep=c.checkpoint.keep, directory=checkpoint_dir,
                                    asynchronous=c.checkpoint.asynchronous)
+    prompts, filt = data.PromptIterator(run.train_examples, c.seed), make_filter(c)
     try:
-        start, nonfinite_run = _restore_or_start(run, ckpt)
+        start, state, nonfinite_run = _restore_or_start(run, ckpt, prompts, filt)
         writer = metrics.MetricsWriter(workdir, resume_step=start or None,
                                        writers=c.metrics.writers,
                                        wandb_project=c.metrics.wandb_project,
@@ -310,12 +326,12 @@ def train(c: ml_collections.ConfigDict, workdir: str, checkpoint_dir: str | None
         preemption = _Preemption()
         summary = {}
         if start == 0 and c.eval.at_start and run.eval_examples:
-            summary = evaluate(run, 0)
+            summary = evaluate(run, state.params, 0)
             writer.write(0, summary)
             print(f"step     0  held-out {_eval_text(summary)}", flush=True)
         for step in range(start + 1, c.train.steps + 1):
             with _trace(workdir, step, profiled):
-                summary = _step(run, step)
+                state, summary = _step(run, state, prompts, filt, step)
             skipped = summary["actor/skipped_updates"]
             nonfinite_run = nonfinite_run + skipped if skipped else 0
             if skipped:
@@ -323,15 +339,15 @@ def train(c: ml_collections.ConfigDict, workdir: str, checkpoint_dir: str | None
                                 step, skipped)
             if c.eval.every and run.eval_examples and (step % c.eval.every == 0
                                                        or step == c.train.steps):
-                summary.update(evaluate(run, step))
+                summary.update(evaluate(run, state.params, step))
             writer.write(step, summary)
             print(metrics.console_line(step, summary), flush=True)
             stop = nonfinite_run >= c.train.max_consecutive_nonfinite
             preempted = preemption.agreed()
             if step % c.checkpoint.every == 0 or step == c.train.steps or preempted or stop:
-                ckpt.save(step, run.state, {
-                    "seed": np.int64(c.seed), "data": run.train_prompts.state(),
-                    "filter": run.filter.state(), "nonfinite_run": np.int64(nonfinite_run)})
+                ckpt.save(step, state, {
+                    "seed": np.int64(c.seed), "data": prompts.state(),
+                    "filter": filt.state(), "nonfinite_run": np.int64(nonfinite_run)})
             if stop:
                 raise FloatingPointError(
                     f"step {step}: {nonfinite_run} updates in a row had a non-finite loss or "
@@ -340,7 +356,7 @@ def train(c: ml_collections.ConfigDict, workdir: str, checkpoint_dir: str | None
                 sys.exit(PREEMPTED)  # `finally` waits for the checkpoint to be written
         writer.close()
         if c.train.steps > start:
-            summary["export_dir"] = export_hf(run)
+            summary["export_dir"] = export_hf(run, state.params)
         return summary
     except jax.errors.JaxRuntimeError as e:
         if jax.process_count() > 1:
@@ -377,14 +393,12 @@ def _gain_text(before: dict, after: dict) -> str | None:
 def _unknown_override(config, argv) -> str | None:
     """The first `--config.a.b=...` of argv naming no key of `config`, told with the valid keys."""
     for arg in argv:
-        if not arg.startswith("--config."):
-            continue
-        node, path = config, ["config"]
-        for key in arg[len("--config."):].split("=")[0].split("."):
-            if not isinstance(node, ml_collections.ConfigDict) or key not in node:
-                valid = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
-                return f"{arg.split('=')[0]}: {'.'.join(path)} has no key {key!r}; valid keys: {valid}"
-            node, path = node[key], path + [key]
+        if arg.startswith("--config."):
+            flag = arg.split("=")[0]
+            try:
+                overrides.get(config, flag[len("--config."):])
+            except ConfigError as e:
+                return f"{flag}: {e}"
     return None
 
 

@@ -69,10 +69,10 @@ SMALL = {
 
 def small(config, **overrides):
     """`config` with SMALL and then `overrides` ({"section__field": value}) applied."""
-    for key, value in {**SMALL, **{k.replace("__", "."): v for k, v in overrides.items()}}.items():
-        section, field = key.split(".")
-        config[section][field] = value
-    return config
+    from dapo_jax import overrides as dotted
+
+    return dotted.apply(config, {**SMALL, **{k.replace("__", "."): v
+                                             for k, v in overrides.items()}})
 
 
 def small_flags(**overrides) -> list[str]:

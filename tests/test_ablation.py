@@ -29,6 +29,7 @@ def test_run_summary_by_hand():
     assert ablation._first_reaching(s["evals"], 0.6) is None
 
 
+@pytest.mark.slow
 def test_quick_study_runs_resumes_and_reports(tmp_path):
     workdir, out = str(tmp_path / "study"), str(tmp_path / "report")
     args = ["run", "--scale=tiny", "--seeds=1", "--rows=dynamic_sampling",

@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from dapo_jax import checkpoint, sharding
 from dapo_jax.errors import CheckpointError
@@ -115,3 +116,24 @@ def test_installing_needs_python_3_11():
     '>=3.11'", from this field."""
     setup = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "setup.py")).read()
     assert 'python_requires=">=3.11"' in setup
+
+
+def test_a_filter_carry_with_predictions_round_trips_through_orbax(tmp_path):
+    from test_dynamic_sampling import ds, gen_batch
+
+    mesh = sharding.make_mesh({"fsdp": -1})
+    sampler = ds(1, carry_over=True)
+    sampler.add(gen_batch([True, False, False, True, True, False], problem_id_B=[0, 0, 1, 1, 2, 2]))
+    sampler.take()  # groups 1 and 2 are carried
+    ckpt = checkpoint.Checkpointer(str(tmp_path), asynchronous=False)
+    ckpt.save(1, _state(mesh, 1), {"filter": sampler.state()})
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                            _state(mesh, 0))
+    _, host = ckpt.restore(1, abstract)
+    ckpt.close()
+    resumed = ds(1, carry_over=True)
+    resumed.restore(host["filter"])
+    batch, stats = resumed.take()
+    np.testing.assert_array_equal(batch.rows.problem_id_B, [1, 1])
+    np.testing.assert_array_equal(batch.rows.pred_B, ["p1", "p1"])
+    assert batch.carried_B.all() and stats["dynamic_sampling/groups_carried_in"] == 2

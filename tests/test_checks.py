@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from configs import dapo
-from dapo_jax import data, run
+from dapo_jax import data, overrides, run
 from dapo_jax.errors import ConfigError, DataFileError
 
 
@@ -44,11 +44,15 @@ def test_shipped_configs_are_in_range(variant):
     ("reward.overlong_buffer", 200, "reward.overlong_buffer 200 exceeds rollout.max_new_tokens 96"),
     ("loss.clip_ratio_c", 0.5, "loss.clip_ratio_c must be 0 (off) or > 1, got 0.5"),
     ("data.prompt_buckets", (0,), "data.prompt_buckets must be positive lengths, got (0,)"),
+    ("filter.metric", "length",
+     "config.filter: filter metric must be one of ('acc', 'score', 'reward'), got 'length'"),
+    ("filter.on_exhausted", "crash",
+     "config.filter: on_exhausted must be one of ('mask', 'raise'), got 'crash'"),
+    ("reward.fn", "math", "config.reward: unknown reward fn 'math'; valid names: "
+                          "['math_dapo', 'math_verify']"),
 ])
 def test_out_of_range_value_is_named(key, value, message):
-    c = dapo.get_config("tiny")
-    section, field = key.split(".")
-    c[section][field] = value
+    c = overrides.apply(dapo.get_config("tiny"), {key: value})
     with pytest.raises(ConfigError) as e:
         run.check_config(c)
     assert str(e.value) == message

@@ -165,13 +165,13 @@ def test_iterator_epochs_determinism_and_resume():
         data.PromptIterator(examples[:4]).restore(saved)
 
 
-def test_pad_prompts_left_into_smallest_bucket():
-    tokens, mask = data.pad_prompts([[5, 6, 7], [8], []], buckets=(8, 4, 16), pad_id=0)
+def test_pad_prompts_left_to_a_fixed_length():
+    tokens, mask = data.pad_prompts([[5, 6, 7], [8], []], length=4, pad_id=0)
     np.testing.assert_array_equal(tokens, [[0, 5, 6, 7], [0, 0, 0, 8], [0, 0, 0, 0]])
     np.testing.assert_array_equal(mask, [[False, True, True, True], [False, False, False, True],
                                          [False, False, False, False]])
     assert tokens.dtype == np.int32 and mask.dtype == bool
-    tokens, _ = data.pad_prompts([[1] * 5], buckets=(4, 8), pad_id=9)
+    tokens, _ = data.pad_prompts([[1] * 5], length=8, pad_id=9)
     assert tokens.shape == (1, 8) and list(tokens[0, :3]) == [9, 9, 9]
-    with pytest.raises(ValueError, match="largest bucket 8"):
-        data.pad_prompts([[1] * 9], buckets=(4, 8), pad_id=0)
+    with pytest.raises(ValueError, match="9 tokens is longer than 8"):
+        data.pad_prompts([[1] * 9], length=8, pad_id=0)

@@ -10,8 +10,9 @@ import pytest
 import torch
 import transformers
 
-from conftest import build_hf_model
 from dapo_jax import hf_io, model, sharding
+
+from conftest import build_hf_model
 
 
 def _left_padded_batch(vocab):
@@ -95,7 +96,7 @@ def test_remat_changes_memory_not_maths(qwen2_dir):
     for remat in (False, True):
         m = model.Transformer(hf_io.config_from_hf(hf, dtype="float32", remat=remat))
         params = hf_io.load_params(qwen2_dir, m, mesh)
-        loss = lambda p: jnp.sum(model.forward(m, p, tokens, mask)[mask] ** 2)
+        loss = lambda p, m=m: jnp.sum(model.forward(m, p, tokens, mask)[mask] ** 2)
         grads.append(jax.grad(loss)(params))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), *grads)
 
@@ -124,7 +125,8 @@ def test_shape_mismatch_names_file_and_tensor(qwen2_dir, tmp_path):
         json.dump(cfg, f)
     m = model.Transformer(hf_io.config_from_hf(cfg, dtype="float32"))
     mesh = sharding.make_mesh({"data": -1}, devices=jax.devices()[:1])
-    with pytest.raises(ValueError, match=r"model\.safetensors: tensor model\.layers\.0\.mlp\.\w+_proj\.weight"):
+    with pytest.raises(ValueError,
+                       match=r"model\.safetensors: tensor model\.layers\.0\.mlp\.\w+_proj\.weight"):
         hf_io.load_params(str(bad), m, mesh)
 
 

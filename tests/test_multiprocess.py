@@ -18,6 +18,8 @@ import pytest
 
 from dapo_jax import hf_io, metrics, model, sampler, sharding
 
+pytestmark = pytest.mark.slow  # processes that start, compile and talk over gloo
+
 PROCESSES, DEVICES_PER_PROCESS = 2, 2
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

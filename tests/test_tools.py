@@ -136,10 +136,10 @@ def test_export_any_step_and_evaluate_the_folder_from_the_command_line(workdir, 
     assert step == 1
     hf_io.check_model_folder(out)
     assert json.load(open(os.path.join(out, "config.json")))["dtype"] == "bfloat16"
-    run, _ = export.restore(_config(), workdir, 1)
+    run, state, _ = export.restore(_config(), workdir, 1)
     run.scorer.close()
     weights = load_file(os.path.join(out, "model.safetensors"))
-    flat = traverse_util.flatten_dict(run.state.params)
+    flat = traverse_util.flatten_dict(state.params)
     assert len(weights) == len(flat)
     for path, x in flat.items():  # step 1's weights, not the newest (step 2) ones
         name, transposed = hf_io.hf_name(path)

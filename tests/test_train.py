@@ -1,6 +1,7 @@
 """The training run end to end: resume after SIGKILL equals an uninterrupted run, SIGTERM saves,
 bad configs fail in one line before compiling, and non-finite updates are skipped and stop the run."""
 
+import dataclasses
 import logging
 import math
 import os
@@ -13,8 +14,11 @@ import numpy as np
 import pytest
 
 from configs import dapo
-from conftest import WALL_CLOCK, small, small_flags
 from dapo_jax import checkpoint, metrics, rollout, train
+from dapo_jax.records import TrainBatch
+
+from conftest import WALL_CLOCK, small, small_flags
+from test_dynamic_sampling import gen_batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,6 +50,7 @@ def _maths(records):
             for r in records}
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_and_sigterm_equals_uninterrupted_run(tmp_path):
     flags = small_flags(train__steps=4, filter__carry_over=True)
     reference, interrupted = str(tmp_path / "reference"), str(tmp_path / "interrupted")
@@ -75,6 +80,7 @@ def test_resume_after_sigkill_and_sigterm_equals_uninterrupted_run(tmp_path):
             assert got[step][key] == pytest.approx(value, rel=1e-5, abs=1e-7), (step, key)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag,message", [
     ("--config.optim.lrr=1e-6", "config.optim has no key 'lrr'; valid keys: ['b1', 'b2',"),
     ("--config.data.train_files=('/no/such/train.parquet',)",
@@ -89,12 +95,13 @@ def test_bad_config_is_one_line_before_compiling(flag, message, tmp_path):
     flag, message = flag.format(tmp=tmp_path), message.format(tmp=tmp_path)
     out = subprocess.run(_cli(str(tmp_path / "run"), flag), cwd=ROOT, capture_output=True,
                          text=True, timeout=300)
-    lines = [l for l in out.stderr.splitlines() if not l[:1] in "WI" or l.startswith("error")]
+    lines = [l for l in out.stderr.splitlines() if l[:1] not in "WI" or l.startswith("error")]
     assert out.returncode == 2
     assert lines == [lines[-1]] and lines[-1].startswith("error: ") and message in lines[-1]
     assert not os.path.exists(tmp_path / "run" / "checkpoints")
 
 
+@pytest.mark.slow
 def test_a_damaged_latest_checkpoint_is_skipped_and_every_step_logged_once(tmp_path, capsys,
                                                                           caplog):
     config = small(dapo.get_config("tiny"), train__steps=2, checkpoint__asynchronous=False)
@@ -116,13 +123,13 @@ def test_a_damaged_latest_checkpoint_is_skipped_and_every_step_logged_once(tmp_p
     assert checkpoint.Checkpointer(workdir).all_steps() == [1, 2]
 
 
+@pytest.mark.slow
 def test_nonfinite_updates_are_skipped_then_the_run_stops_with_a_checkpoint(tmp_path, monkeypatch):
     real = rollout.generation_batch
 
     def nan_rewards(*args, **kwargs):
         batch = real(*args, **kwargs)
-        batch["reward"] = np.full_like(batch["reward"], np.nan)
-        return batch
+        return dataclasses.replace(batch, reward_B=np.full_like(batch.reward_B, np.nan))
 
     monkeypatch.setattr(rollout, "generation_batch", nan_rewards)
     config = small(dapo.get_config("tiny"), train__steps=3, train__max_consecutive_nonfinite=3,
@@ -145,13 +152,43 @@ def test_logp_agreement_measures_carried_groups_apart():
         [[0.5, 0.5, 0.5], [0.5, 0.5, 0.5], [0.01, -0.03, 5.0], [0.02, 5.0, 5.0]])], axis=1)
     loss_mask = np.concatenate([np.zeros((4, 2), bool), np.array(  # the prompt, the response
         [[1, 1, 1], [1, 1, 0], [1, 1, 0], [1, 0, 0]], bool)], axis=1)
-    batch = {"prompt_tokens": np.zeros((4, 2), np.int32), "logp": sampler_logp}
-    got = train._logp_agreement(batch, old_logp, loss_mask, carried_rows=2)
+    carried_B = np.array([True, True, False, False])
+    got = train._logp_agreement(sampler_logp, 2, old_logp, loss_mask, carried_B)
     assert got == pytest.approx({"rollout/logp_diff_mean": 0.02, "rollout/logp_diff_max": 0.03,
                                  "rollout/carried_logp_diff_mean": 0.5})
-    fresh_only = train._logp_agreement(batch, old_logp, loss_mask, carried_rows=0)
+    fresh_only = train._logp_agreement(sampler_logp, 2, old_logp, loss_mask, np.zeros(4, bool))
     assert fresh_only["rollout/logp_diff_max"] == pytest.approx(0.5)
     assert "rollout/carried_logp_diff_mean" not in fresh_only
+
+
+def test_rollout_masks_filtered_and_missing_rows_and_cuts_to_the_length_bucket():
+    """Row 0 trains; row 1 is truncated under overlong filtering (loss_keep False); rows 2-3
+    stand in for a missing group (valid False). Responses of 2 and 3 tokens in N = 6 columns
+    are cut to 4 (length_bucket 2)."""
+    mask_BxN = np.arange(6) < np.array([[2], [3], [0], [0]])
+    rows = dataclasses.replace(
+        gen_batch([True, False, False, False], length_B=[2, 3, 0, 0], reward_B=[1.0, -1.0, 0, 0]),
+        prompt_tokens_BxQ=np.full((4, 3), 7, np.int32), prompt_mask_BxQ=np.ones((4, 3), bool),
+        tokens_BxN=np.where(mask_BxN, 5, 0).astype(np.int32), mask_BxN=mask_BxN,
+        logp_BxN=np.zeros((4, 6), np.float32), loss_keep_B=np.array([True, False, True, True]))
+    batch = TrainBatch(rows, valid_B=np.array([True, True, False, False]),
+                       carried_B=np.zeros(4, bool))
+    got = train._rollout(batch, group_size=2, normalize_std=False, length_bucket=2)
+    np.testing.assert_array_equal(got.tokens_BxT[0], [7, 7, 7, 5, 5, 0, 0])
+    np.testing.assert_array_equal(got.mask_BxT[1], [1, 1, 1, 1, 1, 1, 0])
+    np.testing.assert_array_equal(got.loss_mask_BxT, [[0, 0, 0, 1, 1, 0, 0]] + [[0] * 7] * 3)
+    np.testing.assert_array_equal(got.adv_B, [1.0, -1.0, 0.0, 0.0])  # R - mean; none if missing
+
+
+def test_data_metrics_count_valid_rows_only():
+    valid = gen_batch([True, False], length_B=[4, 10], score_B=[1.0, -1.0],
+                      reward_B=[1.0, -1.5])
+    batch = TrainBatch(valid.with_zero_rows(2), valid_B=np.array([True, True, False, False]),
+                       carried_B=np.zeros(4, bool))
+    assert train._data_metrics(batch) == {
+        "data/score_mean": 0.0, "data/reward_mean": -0.25, "data/acc_mean": 0.5,
+        "data/response_length_mean": 7.0, "data/response_length_max": 10.0,
+        "data/response_length_min": 4.0, "data/truncated_fraction": 0.0}
 
 
 def test_held_out_text_gives_standard_errors_and_the_gain():
