@@ -139,6 +139,10 @@ def tiny() -> ml_collections.ConfigDict:
     c.eval = dict(every=10, samples=4, temperature=1.0, top_p=1.0, max_problems=0,
                   batch_prompts=125, at_start=True)
     c.export = dict(dtype="float32")
+    c.metrics = dict(writers="jsonl,tensorboard",  # add ",wandb" (pip install wandb)
+                     wandb_project="dapo-jax",
+                     aliases=False)  # wandb also under verl's recipe names (metrics.RECIPE_NAMES)
+    c.profile = dict(steps="")  # "a,b": a jax.profiler trace of those steps in <workdir>/profile
     return c
 
 

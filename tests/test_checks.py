@@ -49,7 +49,8 @@ def test_shipped_configs_are_in_range(variant):
     ("filter.on_exhausted", "crash",
      "config.filter: on_exhausted must be one of ('mask', 'raise'), got 'crash'"),
     ("reward.fn", "math", "config.reward: unknown reward fn 'math'; valid names: "
-                          "['math_dapo', 'math_verify']"),
+                          "['math_dapo', 'math_verify'], or 'module:function', or "
+                          "'path/to/file.py:function'"),
 ])
 def test_out_of_range_value_is_named(key, value, message):
     c = overrides.apply(dapo.get_config("tiny"), {key: value})
