@@ -35,8 +35,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from dapo_jax import sharding
-from dapo_jax.model import (KEY_TILE, KVCache, Rope, Transformer, causal_attention_mask,
-                            init_cache, positions_from_mask, rope_tables)
+from dapo_jax.model import (KEY_TILE, KVCache, Rope, Transformer, cache_layer_axes,
+                            causal_attention_mask, init_cache, positions_from_mask, rope_tables)
 
 _CACHE_AXES = KVCache(k=("batch", "kv_heads", "length", None, None),
                       v=("batch", "kv_heads", "length", None))
@@ -72,10 +72,10 @@ class SamplingConfig:
             raise ValueError(f"decode_chunks must be >= 1, got {self.decode_chunks}")
 
 
-def prefill(model: Transformer, params, tokens_PxT, mask_PxT, cache_len: int) -> list[KVCache]:
+def prefill(model: Transformer, params, tokens_PxT, mask_PxT, cache_len: int):
     """Fresh caches of `cache_len` slots (whole key tiles) holding the keys/values of the T prompt
-    tokens at slots 0..T-1. The logits are not used, so XLA drops the LM head over the T x vocab
-    positions."""
+    tokens at slots 0..T-1 (a list of per-layer caches, or one stacked KVCache for a scanned
+    model). The logits are not used, so XLA drops the LM head over the T x vocab positions."""
     caches = init_cache(model.config, tokens_PxT.shape[0], cache_len)
     t = tokens_PxT.shape[1]
     if t == 0:
@@ -162,7 +162,7 @@ def sample_token(logits_BxV, u_B, config: SamplingConfig):
 class _LoopState(NamedTuple):
     step: jax.Array  # t: tokens sampled so far
     feed_B: jax.Array  # token fed at slot L-1+t
-    caches: list[KVCache]
+    caches: list[KVCache] | KVCache  # per layer, or stacked (scanned model)
     tokens_BxN: jax.Array
     logp_BxN: jax.Array
     ended_B: jax.Array  # sampled an end id
@@ -178,11 +178,42 @@ def decode_phases(config: SamplingConfig, prompt_len: int) -> list[tuple[int, in
     return [(end, -(-(prompt_len - 1 + end) // KEY_TILE) * KEY_TILE) for end in ends]
 
 
-def _grow(caches: list[KVCache], slots: int) -> list[KVCache]:
+def _cache_list(caches) -> list[KVCache]:
+    """The per-layer caches, or the one stacked KVCache of a scanned model, as a list."""
+    return [caches] if isinstance(caches, KVCache) else list(caches)
+
+
+def _from_list(caches: list[KVCache], like):
+    return caches[0] if isinstance(like, KVCache) else caches
+
+
+def cache_slots(caches) -> int:
+    """S, the slots each cache holds."""
+    return _cache_list(caches)[0].v.shape[2 + cache_layer_axes(caches)]
+
+
+def _grow(caches, slots: int):
     """Caches extended with empty slots up to `slots` (whole key tiles)."""
+    lead = cache_layer_axes(caches)
     pad = lambda x, axis, size: jnp.pad(x, [(0, size - x.shape[axis]) if a == axis else (0, 0)
                                             for a in range(x.ndim)])
-    return [KVCache(pad(c.k, 2, slots // KEY_TILE), pad(c.v, 2, slots)) for c in caches]
+    grown = [KVCache(pad(c.k, 2 + lead, slots // KEY_TILE), pad(c.v, 2 + lead, slots))
+             for c in _cache_list(caches)]
+    return _from_list(grown, caches)
+
+
+def _constrain_caches(caches):
+    """Caches laid out as `_CACHE_AXES` (behind the layer axis of a stacked cache)."""
+    lead = ("layers",) * cache_layer_axes(caches)
+    out = [KVCache(*(nn.with_logical_constraint(x, lead + axes) for x, axes in zip(c, _CACHE_AXES)))
+           for c in _cache_list(caches)]
+    return _from_list(out, caches)
+
+
+def _repeat_caches(caches, n: int):
+    """Every cache row repeated n times along the batch (row b = p*n + g)."""
+    axis = cache_layer_axes(caches)
+    return jax.tree.map(lambda x: jnp.repeat(x, n, axis=axis), caches)
 
 
 def rollout(model: Transformer, config: SamplingConfig, n: int, params, prompt_PxL, mask_PxL,
@@ -191,13 +222,12 @@ def rollout(model: Transformer, config: SamplingConfig, n: int, params, prompt_P
     p, l = prompt_PxL.shape
     n_new, b = config.max_new_tokens, p * n
     mask_PxL = mask_PxL.astype(bool)
-    constrain = lambda caches: [KVCache(*map(nn.with_logical_constraint, c, _CACHE_AXES))
-                                for c in caches]
+    constrain = _constrain_caches
     repeat = lambda x: jnp.repeat(x, n, axis=0)
     phases = decode_phases(config, l)
 
     caches = prefill(model, params, prompt_PxL[:, :-1], mask_PxL[:, :-1], phases[0][1])
-    caches = constrain(jax.tree.map(repeat, caches))
+    caches = constrain(_repeat_caches(caches, n))
     readable_BxS = repeat(jnp.pad(mask_PxL, ((0, 0), (0, phases[-1][1] - l)), constant_values=True))
     first_pos_B = repeat(mask_PxL.sum(-1, dtype=jnp.int32) - 1)
     rope_1xP = rope_tables(jnp.arange(l + n_new)[None], model.config)  # all positions rows reach
@@ -208,7 +238,7 @@ def rollout(model: Transformer, config: SamplingConfig, n: int, params, prompt_P
 
     def body(st: _LoopState) -> _LoopState:
         slot = l - 1 + st.step
-        w = st.caches[0].v.shape[2]  # this phase's slots
+        w = cache_slots(st.caches)  # this phase's slots
         attn_BxW = readable_BxS[:, :w] & (jnp.arange(w) <= slot)
         rope = Rope(*(x[0, first_pos_B + st.step, None] for x in rope_1xP))
         logits_BxV, caches = decode_step(model, params, st.feed_B, rope, attn_BxW, st.caches, slot)
