@@ -25,8 +25,10 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
     c.model = dict(path="/ckpt/Qwen2.5-32B", tokenizer_path="", dtype="bfloat16",
-                   param_dtype="float32", remat=True,
-                   attention_chunk=1024)  # a layer's scores at 20k tokens: 1024 x 20k, not 20k^2
+                   param_dtype="float32", remat=True, remat_policy="nothing_saveable",
+                   attention_chunk=1024,  # a layer's scores at 20k tokens: 1024 x 20k, not 20k^2
+                   scan_layers=True,      # one compiled layer body: 64 layers compile as one
+                   logits_chunk=2048)     # LM head + log-softmax over 2048 x 152k, not 22k x 152k
     c.reference = dict(path="")  # β = 0: no reference model is loaded or run
     c.mesh = dict(data=1, fsdp=-1, tensor=8)  # e.g. v5p-512: 256 chips = fsdp 32 x tensor 8
     c.data = dict(
@@ -44,6 +46,7 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
         top_p=1.0,
         top_k=0,
         max_new_tokens=20480,            # L_max
+        micro_batch_prompts=32,          # prompts decoded at once: 512 rows' bf16 KV cache
     )
     c.reward = common.dapo_reward(overlong_buffer=4096)
     c.filter = common.dynamic_sampling(gen_batch_prompts=1536, max_num_gen_batches=10)
@@ -92,7 +95,8 @@ def tiny() -> ml_collections.ConfigDict:
     """CPU scale: the shipped tiny base model on the shipped synthetic task, a few minutes."""
     c = qwen2_5_32b()
     c.model = dict(path=common.TINY_MODEL, tokenizer_path="", dtype="float32",
-                   param_dtype="float32", remat=False, attention_chunk=0)
+                   param_dtype="float32", remat=False, remat_policy="nothing_saveable",
+                   attention_chunk=0, scan_layers=False, logits_chunk=0)
     c.mesh = dict(data=-1, fsdp=1, tensor=1)
     c.data = dict(
         train_files=(common.SYNTHETIC_TRAIN,),
@@ -105,6 +109,7 @@ def tiny() -> ml_collections.ConfigDict:
     )
     c.rollout.group_size = 8
     c.rollout.max_new_tokens = 96       # worked solutions take up to ~75 tokens
+    c.rollout.micro_batch_prompts = 0   # the whole generation batch at once
     c.reward = common.dapo_reward(overlong_buffer=16)
     c.filter = common.dynamic_sampling(gen_batch_prompts=64, max_num_gen_batches=4)
     # Chosen from runs on this CPU (2 cores), earlier base models included: lr 1e-5 and 5e-5

@@ -301,11 +301,15 @@ def _fit_bucket(prompt_PxL: np.ndarray, mask_PxL: np.ndarray, buckets: tuple[int
 class Sampler:
     """Rollouts of `model` with the trainer's parameters, where they lie on `mesh`.
 
-    One compilation per (prompt bucket, P, G); `num_traces` counts them.
+    One compilation per (prompt bucket, P, G); `num_traces` counts them. With
+    `micro_batch_prompts` a batch is decoded that many prompts at a time, so that the KV cache of
+    micro_batch_prompts x G rows, not of the whole batch, sits beside the weights.
     """
 
-    def __init__(self, model: Transformer, config: SamplingConfig, mesh: Mesh):
+    def __init__(self, model: Transformer, config: SamplingConfig, mesh: Mesh,
+                 micro_batch_prompts: int = 0):
         self.model, self.config, self.mesh = model, config, mesh
+        self.micro_batch_prompts = micro_batch_prompts  # prompts decoded at once (0: all)
         self.num_traces = 0
         self._param_shardings = sharding.param_shardings(model, mesh)
         self._data_size = mesh.shape["data"] * mesh.shape["fsdp"]
@@ -337,5 +341,14 @@ class Sampler:
         uids_P = np.arange(p, dtype=np.int32) if uids_P is None else np.asarray(uids_P, np.int32)
         prompt_PxL, mask_PxL = _fit_bucket(prompt_PxL, mask_PxL, self.config.prompt_buckets,
                                           self.config.pad_id)
+        m = self.micro_batch_prompts or p
+        if m < p and (m * n) % self._data_size:
+            raise ValueError(f"rollout micro-batches of {m} prompts x n = {n} rows do not divide "
+                             f"over the {self._data_size} devices of the data x fsdp mesh axes")
+        outs = []
         with sharding.activate(self.mesh):
-            return self._rollout_fn(n)(params, prompt_PxL, mask_PxL, uids_P, rng)
+            for i in range(0, p, m):  # each row's samples depend on its uid only, not on m
+                part = slice(i, i + m)
+                outs.append(self._rollout_fn(n)(params, prompt_PxL[part], mask_PxL[part],
+                                                uids_P[part], rng))
+        return outs[0] if len(outs) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs), *outs)
