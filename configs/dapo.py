@@ -30,7 +30,7 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
                    scan_layers=True,      # one compiled layer body: 64 layers compile as one
                    logits_chunk=2048)     # LM head + log-softmax over 2048 x 152k, not 22k x 152k
     c.reference = dict(path="")  # β = 0: no reference model is loaded or run
-    c.mesh = dict(data=1, fsdp=-1, tensor=8)  # e.g. v5p-512: 256 chips = fsdp 32 x tensor 8
+    c.mesh = dict(data=1, fsdp=-1, tensor=8)  # v5p-128: 64 chips = fsdp 8 x tensor 8 (aot.py)
     c.data = dict(
         train_files=("/data/dapo-math-17k.parquet",),
         eval_files=("/data/aime-2024.parquet",),
@@ -60,7 +60,7 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
         steps=500,
         train_batch_prompts=512,         # B groups per step (after dynamic sampling)
         mini_batch_prompts=32,           # 32 x 16 = 512 responses: 16 updates per step
-        micro_batch_size=32,             # responses per gradient-accumulation micro-batch
+        micro_batch_size=16,             # responses per micro-batch: at 32, 0.5 GiB past v5p's HBM
         length_bucket=2048,              # train on responses cut to a multiple of this length
         max_consecutive_nonfinite=5,     # stop (with a checkpoint) after this many skipped updates
     )
@@ -76,7 +76,7 @@ def qwen2_5_7b() -> ml_collections.ConfigDict:
     c = qwen2_5_32b()
     c.model.path = "/ckpt/Qwen2.5-7B"
     c.mesh = dict(data=1, fsdp=-1, tensor=4)
-    c.train.micro_batch_size = 64
+    c.train.micro_batch_size = 32  # at 64 the train step needed 96.2 GiB per v5p chip
     return c
 
 
@@ -87,7 +87,7 @@ def qwen3_8b() -> ml_collections.ConfigDict:
     c = qwen2_5_32b()
     c.model.path = "/ckpt/Qwen3-8B-Base"
     c.mesh = dict(data=1, fsdp=-1, tensor=4)  # 8 KV heads: 2 on each tensor shard
-    c.train.micro_batch_size = 64
+    c.train.micro_batch_size = 32
     return c
 
 

@@ -98,7 +98,8 @@ def topology_devices(name: str):
             chip_config_name="default", chips_per_host_bounds=(2, 2, 1), num_slices=1)
     except Exception as e:  # noqa: BLE001 - no libtpu, or a shape libtpu does not know
         raise ConfigError(f"--topology {name}: no abstract TPU devices ({type(e).__name__}: "
-                          f"{str(e)[:160]}); install the tpu extra (jax[tpu]) or use cpu:N") from None
+                          f"{str(e)[:160]}); install the tpu extra (jax[tpu]) or use "
+                          "cpu:N") from None
     return kind, topo.devices
 
 
@@ -178,7 +179,8 @@ def _report(name, compiled, chip: Chip, hbm_gib: float, flops: float, hbm_bytes:
     print(f"{name:9s} args {row['args_gib']:7.2f}  out {row['out_gib']:7.2f}  temp "
           f"{row['temp_gib']:7.2f}  alias {row['alias_gib']:7.2f}  total {row['total_gib']:7.2f} "
           f"/ {hbm_gib:g} GiB  {row['tflops_per_chip']:10.1f} TFLOP/chip  "
-          f"{row['flop_s']:8.2f} s at peak  {row['hbm_s']:7.3f} s HBM  (compiled in {seconds:.0f} s)",
+          f"{row['flop_s']:8.2f} s at peak  {row['hbm_s']:7.3f} s HBM  "
+          f"(compiled in {seconds:.0f} s)",
           flush=True)
     return row
 
@@ -314,13 +316,15 @@ def decode_layouts(cfg, c, mesh, devices, shapes: Shapes, chip: Chip) -> list[di
             weights * np.dtype(dtype).itemsize / (tp * fsdp) / GIB),
             step_hbm_gib=step / GIB, hbm_bytes_per_token=step * n / rows,
             ici_gather_gib_per_step=gathered * (fsdp - 1) / fsdp / GIB,
-            step_hbm_s=step / (chip.hbm_gbps * 1e9)))
+            step_hbm_s=step / (chip.hbm_gbps * 1e9),
+            decode_hbm_s=shapes.new_tokens * step / (chip.hbm_gbps * 1e9)))
     print(f"KV cache (bf16) of {rows} rows x {slots} slots: {kv_bytes / GIB:.1f} GiB, "
           f"{kv_bytes / n / GIB:.2f} GiB per chip", flush=True)
     for r in out:
         print(f"decode {r['layout']:12s} mesh {r['mesh']}  weights {r['weights_per_chip_gib']:.2f}"
               f" GiB/chip  HBM {r['step_hbm_gib']:.2f} GiB/chip/step ({r['step_hbm_s'] * 1e3:.1f}"
-              f" ms)  {r['hbm_bytes_per_token'] / 2**20:.1f} MiB HBM per decoded token  "
+              f" ms, {r['decode_hbm_s']:.0f} s for N steps)  "
+              f"{r['hbm_bytes_per_token'] / 2**20:.1f} MiB HBM per decoded token  "
               f"all-gather {r['ici_gather_gib_per_step']:.2f} GiB/chip/step", flush=True)
     cheaper = min(out, key=lambda r: r["step_hbm_gib"] + r["ici_gather_gib_per_step"])
     print(f"cheaper per decoded token: {cheaper['layout']}", flush=True)

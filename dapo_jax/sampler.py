@@ -278,6 +278,16 @@ def rollout(model: Transformer, config: SamplingConfig, n: int, params, prompt_P
     }
 
 
+def rollout_params(params, rollout_model: Transformer, mesh: Mesh):
+    """The trainer's parameters in a rollout layout, once per step: cast to `rollout_model`'s
+    param dtype (e.g. bf16) and laid out by `RULES` on `mesh` (e.g. data x tensor, fsdp 1: no
+    weight is gathered per decoded token). The cast runs where the params lie; the copy then moves
+    them across meshes over the same devices."""
+    dtype = rollout_model.config.weight_dtype
+    cast = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(dtype), p))(params)
+    return jax.device_put(cast, sharding.param_shardings(rollout_model, mesh))
+
+
 def _fit_bucket(prompt_PxL: np.ndarray, mask_PxL: np.ndarray, buckets: tuple[int, ...], pad_id: int):
     """Re-pad a left-padded batch to the smallest bucket that holds its longest prompt."""
     mask_PxL = np.asarray(mask_PxL, bool)

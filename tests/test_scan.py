@@ -41,7 +41,8 @@ def test_scanned_logits_and_gradients_equal_unrolled(fixture, request, single):
     params = hf_io.load_params(model_dir, unrolled, single)
     stacked = model.stack_layers(params, unrolled.config.num_layers)
     tokens, mask = _batch(unrolled.config.vocab_size)
-    _close(model.forward(scanned, stacked, tokens, mask), model.forward(unrolled, params, tokens, mask))
+    _close(model.forward(scanned, stacked, tokens, mask),
+           model.forward(unrolled, params, tokens, mask))
 
     def loss(m):
         def f(p):
