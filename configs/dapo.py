@@ -25,10 +25,12 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
     c.model = dict(path="/ckpt/Qwen2.5-32B", tokenizer_path="", dtype="bfloat16",
-                   param_dtype="float32", remat=True,
-                   attention_chunk=1024)  # a layer's scores at 20k tokens: 1024 x 20k, not 20k^2
+                   param_dtype="float32", remat=True, remat_policy="nothing_saveable",
+                   attention_chunk=1024,  # a layer's scores at 20k tokens: 1024 x 20k, not 20k^2
+                   scan_layers=True,      # one compiled layer body: 64 layers compile as one
+                   logits_chunk=2048)     # LM head + log-softmax over 2048 x 152k, not 22k x 152k
     c.reference = dict(path="")  # β = 0: no reference model is loaded or run
-    c.mesh = dict(data=1, fsdp=-1, tensor=8)  # e.g. v5p-512: 256 chips = fsdp 32 x tensor 8
+    c.mesh = dict(data=1, fsdp=-1, tensor=8)  # v5p-128: 64 chips = fsdp 8 x tensor 8 (aot.py)
     c.data = dict(
         train_files=("/data/dapo-math-17k.parquet",),
         eval_files=("/data/aime-2024.parquet",),
@@ -44,6 +46,7 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
         top_p=1.0,
         top_k=0,
         max_new_tokens=20480,            # L_max
+        micro_batch_prompts=32,          # prompts decoded at once: 512 rows' bf16 KV cache
     )
     c.reward = common.dapo_reward(overlong_buffer=4096)
     c.filter = common.dynamic_sampling(gen_batch_prompts=1536, max_num_gen_batches=10)
@@ -57,7 +60,7 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
         steps=500,
         train_batch_prompts=512,         # P groups per step (after dynamic sampling)
         mini_batch_prompts=32,           # 32 x 16 = 512 responses: 16 updates per step
-        micro_batch_size=32,             # responses per gradient-accumulation micro-batch
+        micro_batch_size=16,             # responses per micro-batch: at 32, 0.5 GiB past v5p's HBM
         length_bucket=2048,              # train on responses cut to a multiple of this length
         max_consecutive_nonfinite=5,     # stop (with a checkpoint) after this many skipped updates
     )
@@ -77,7 +80,7 @@ def qwen2_5_7b() -> ml_collections.ConfigDict:
     c = qwen2_5_32b()
     c.model.path = "/ckpt/Qwen2.5-7B"
     c.mesh = dict(data=1, fsdp=-1, tensor=4)
-    c.train.micro_batch_size = 64
+    c.train.micro_batch_size = 32  # at 64 the train step needed 96.2 GiB per v5p chip
     return c
 
 
@@ -88,7 +91,7 @@ def qwen3_8b() -> ml_collections.ConfigDict:
     c = qwen2_5_32b()
     c.model.path = "/ckpt/Qwen3-8B-Base"
     c.mesh = dict(data=1, fsdp=-1, tensor=4)  # 8 KV heads: 2 on each tensor shard
-    c.train.micro_batch_size = 64
+    c.train.micro_batch_size = 32
     return c
 
 
@@ -97,7 +100,8 @@ def tiny() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.seed = 0
     c.model = dict(path=common.TINY_MODEL, tokenizer_path="", dtype="float32",
-                   param_dtype="float32", remat=False, attention_chunk=0)
+                   param_dtype="float32", remat=False, remat_policy="nothing_saveable",
+                   attention_chunk=0, scan_layers=False, logits_chunk=0)
     c.reference = dict(path="")  # β = 0: no reference model is loaded or run
     c.mesh = dict(data=-1, fsdp=1, tensor=1)
     c.data = dict(
@@ -115,6 +119,7 @@ def tiny() -> ml_collections.ConfigDict:
         top_p=1.0,
         top_k=0,
         max_new_tokens=96,               # L_max; worked solutions take up to ~75 tokens
+        micro_batch_prompts=0,           # the whole generation batch at once
     )
     c.reward = common.dapo_reward(overlong_buffer=16)
     c.filter = common.dynamic_sampling(gen_batch_prompts=64, max_num_gen_batches=4)

@@ -25,6 +25,7 @@ load.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -122,7 +123,7 @@ def _rope(hf: Mapping, source: str) -> tuple[float, tuple | None]:
 
 
 def config_from_hf(hf: Mapping, *, dtype="bfloat16", param_dtype="float32", remat=False,
-                   attention_chunk=0, source="config.json") -> ModelConfig:
+                   attention_chunk=0, source="config.json", **numerics) -> ModelConfig:
     """ModelConfig from a Qwen2/Qwen2.5, Qwen3 (dense) or Llama config.json (transformers 4 or 5
     layout). Every key it reads is checked first; a ModelFolderError names `source` and the key."""
     bad = lambda problem: ModelFolderError(source, problem)
@@ -183,6 +184,7 @@ def config_from_hf(hf: Mapping, *, dtype="bfloat16", param_dtype="float32", rema
         param_dtype=param_dtype,
         remat=remat,
         attention_chunk=attention_chunk,
+        **numerics,  # remat_policy, scan_layers, logits_chunk
     )
 
 
@@ -246,8 +248,23 @@ _AXIS_KEYS = {"vocab": "vocab_size", "embed": "hidden_size", "norm": "hidden_siz
               "kv_heads": "num_key_value_heads x head_dim", "head_dim": "head_dim"}
 
 
+def _unrolled(model: Transformer) -> Transformer:
+    """The model with its layers unrolled: the layout whose parameters map one to one onto
+    checkpoint tensors (a scanned model's `layers` leaf of [L, ...] is L tensors)."""
+    if not model.config.scan_layers:
+        return model
+    return Transformer(dataclasses.replace(model.config, scan_layers=False))
+
+
+def _layer_path(path: tuple[str, ...], i: int) -> tuple[str, ...]:
+    """Layer i's unrolled path of a stacked parameter path ("layers", ...)."""
+    return (f"layers_{i}", *path[1:])
+
+
 def _expected_tensors(model: Transformer) -> dict[str, tuple]:
-    """Tensor name -> (parameter path, checkpoint shape, config keys of its dimensions)."""
+    """Tensor name -> (parameter path, checkpoint shape, config keys of its dimensions), for the
+    unrolled layout."""
+    model = _unrolled(model)
     abstract = traverse_util.flatten_dict(sharding.abstract_params(model))
     specs = traverse_util.flatten_dict(sharding.logical_param_specs(model))
     out = {}
@@ -325,9 +342,36 @@ def _check_tied_copy(handles, tensors: Mapping[str, TensorInfo], rows: int = 409
                                    "true: set it to false")
 
 
+def _reader(handles, tensors, name: str, transposed: bool, dtype):
+    """`read(index) -> block`: the slice `index` of tensor `name` (transposed for kernels) in
+    `dtype`, read from its memory-mapped safetensors file."""
+    view = handles[tensors[name].file].get_slice(name)
+
+    def read(index):
+        try:
+            block = view[index[::-1]].T if transposed else view[index]
+        except SafetensorError as e:
+            raise ModelFolderError(tensors[name].file, f"tensor {name} cannot be read "
+                                   f"({e}); {REDO}") from None
+        return np.ascontiguousarray(block).astype(dtype)
+
+    return read
+
+
+def _stacked_reader(layer_reads):
+    """`read(index)` of a stacked [L, ...] parameter: index[0] picks layers, each read by its own
+    tensor's reader with the rest of the index."""
+    def read(index):
+        layers = range(*index[0].indices(len(layer_reads)))
+        return np.stack([layer_reads[i](index[1:]) for i in layers])
+
+    return read
+
+
 def load_params(model_dir: str, model: Transformer, mesh) -> dict:
     """Read a Hugging Face safetensors checkpoint into parameters sharded on `mesh` by `RULES`,
-    after `check_tensors` has passed on its headers."""
+    after `check_tensors` has passed on its headers. A scanned model's stacked `layers` leaves
+    are read layer by layer from the per-layer tensors."""
     tensors = checkpoint_tensors(model_dir)
     check_tensors(tensors, model, model_dir)
     shardings = traverse_util.flatten_dict(sharding.param_shardings(model, mesh))
@@ -339,17 +383,11 @@ def load_params(model_dir: str, model: Transformer, mesh) -> dict:
         if model.config.tie_word_embeddings and _TIED_HEAD in tensors:
             _check_tied_copy(handles, tensors)
         for path, leaf in abstract.items():
-            name, transposed = hf_name(path)
-            view = handles[tensors[name].file].get_slice(name)
-
-            def read(index, view=view, transposed=transposed, name=name):
-                try:
-                    block = view[index[::-1]].T if transposed else view[index]
-                except SafetensorError as e:
-                    raise ModelFolderError(tensors[name].file, f"tensor {name} cannot be read "
-                                           f"({e}); {REDO}") from None
-                return np.ascontiguousarray(block).astype(dtype)
-
+            if path[0] == "layers":
+                read = _stacked_reader([_reader(handles, tensors, *hf_name(_layer_path(path, i)),
+                                                dtype) for i in range(leaf.shape[0])])
+            else:
+                read = _reader(handles, tensors, *hf_name(path), dtype)
             params[path] = jax.make_array_from_callback(leaf.shape, shardings[path], read)
     return traverse_util.unflatten_dict(params)
 
@@ -358,16 +396,20 @@ def save_params(params, hf_config: Mapping, out_dir: str, *, dtype: str | None =
                 max_shard_bytes: int = 5 * 2**30) -> None:
     """Write `params` as a Hugging Face checkpoint: config.json and (sharded) safetensors.
 
-    Every process joins the gather of sharded arrays; only process 0 writes.
+    Every process joins the gather of sharded arrays; only process 0 writes. A scanned model's
+    stacked `layers` leaves are written as one tensor per layer.
     """
     flat = traverse_util.flatten_dict(params)
     np_dtype = np.dtype(jax.numpy.dtype(dtype)) if dtype else None
     tensors = {}
     for path, x in flat.items():
         host = sharding.to_host(x)
-        name, transposed = hf_name(path)
-        host = host.T if transposed else host
-        tensors[name] = np.ascontiguousarray(host.astype(np_dtype) if np_dtype else host)
+        per_layer = ([(_layer_path(path, i), host[i]) for i in range(host.shape[0])]
+                     if path[0] == "layers" else [(path, host)])
+        for p, h in per_layer:
+            name, transposed = hf_name(p)
+            h = h.T if transposed else h
+            tensors[name] = np.ascontiguousarray(h.astype(np_dtype) if np_dtype else h)
     if jax.process_index() != 0:
         return
     os.makedirs(out_dir, exist_ok=True)

@@ -47,7 +47,10 @@ class ModelConfig:
     dtype: str = "bfloat16"  # compute dtype
     param_dtype: str = "float32"
     remat: bool = False  # rematerialise each decoder layer in the backward pass
+    remat_policy: str = "nothing_saveable"  # a jax.checkpoint_policies name: what remat keeps
     attention_chunk: int = 0  # queries per block of multi-token attention (0: all at once)
+    scan_layers: bool = False  # one compiled layer body (nn.scan), params stacked on "layers"
+    logits_chunk: int = 0  # tokens per block of LM head + log-softmax in the trainer (0: one)
 
     @property
     def compute_dtype(self):
@@ -82,14 +85,23 @@ class KVCache(NamedTuple):
     v: jax.Array
 
 
-def init_cache(config: ModelConfig, batch: int, length: int) -> list[KVCache]:
-    """Zeroed per-layer caches of `length` slots (a multiple of KEY_TILE) in the compute dtype."""
+def init_cache(config: ModelConfig, batch: int, length: int) -> list[KVCache] | KVCache:
+    """Zeroed caches of `length` slots (a multiple of KEY_TILE) in the compute dtype: one per
+    layer, or with `scan_layers` one KVCache whose arrays are stacked on a leading layer axis."""
     if length % KEY_TILE:
         raise ValueError(f"cache length {length} is not a multiple of KEY_TILE = {KEY_TILE}")
     b, k, h, dtype = batch, config.num_kv_heads, config.head_dim, config.compute_dtype
     tiles = (b, k, length // KEY_TILE, h, KEY_TILE)
+    if config.scan_layers:
+        n = config.num_layers
+        return KVCache(jnp.zeros((n, *tiles), dtype), jnp.zeros((n, b, k, length, h), dtype))
     return [KVCache(jnp.zeros(tiles, dtype), jnp.zeros((b, k, length, h), dtype))
             for _ in range(config.num_layers)]
+
+
+def cache_layer_axes(caches) -> int:
+    """Leading layer axes of a cache's arrays: 1 for a stacked (scanned) cache, 0 for a list."""
+    return 1 if isinstance(caches, KVCache) else 0
 
 
 def untile_keys(k_BxKxCxHxT: jax.Array) -> jax.Array:
@@ -303,16 +315,58 @@ class DecoderLayer(nn.Module):
         return nn.with_logical_constraint(x_BxTxD, ("batch", "length", "embed")), cache
 
 
+def _layer_class(c: ModelConfig):
+    if not c.remat:
+        return DecoderLayer
+    policy = getattr(jax.checkpoint_policies, c.remat_policy, None)
+    if policy is None:
+        raise ValueError(f"remat_policy {c.remat_policy!r} is not a jax.checkpoint_policies name "
+                         "(e.g. nothing_saveable, dots_with_no_batch_dims_saveable)")
+    return nn.remat(DecoderLayer, policy=policy, prevent_cse=not c.scan_layers)
+
+
+def _decoder_stack(c: ModelConfig, x_BxTxD, rope, attn_BxTxS, caches, cache_index):
+    """The L decoder layers: a Python loop (params `layers_i`, caches a list) or, with
+    `scan_layers`, one `nn.scan` body (params `layers` stacked on a leading axis named "layers",
+    caches one stacked KVCache scanned along with them)."""
+    layer_cls = _layer_class(c)
+    if not c.scan_layers:
+        new_caches = []
+        for i in range(c.num_layers):
+            x_BxTxD, cache = layer_cls(c, name=f"layers_{i}")(
+                x_BxTxD, rope, attn_BxTxS, None if caches is None else caches[i], cache_index)
+            new_caches.append(cache)
+        return x_BxTxD, (None if caches is None else new_caches)
+    stack = nn.scan(layer_cls, variable_axes={"params": 0}, split_rngs={"params": True},
+                    in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast), length=c.num_layers,
+                    metadata_params={nn.PARTITION_NAME: "layers"})
+    return stack(c, name="layers")(x_BxTxD, rope, attn_BxTxS, caches, cache_index)
+
+
+def lm_head(config: ModelConfig, params, x_BxTxD) -> jax.Array:
+    """`logits_BxTxV` in float32 from final hidden states, as the model's head computes them
+    (inputs and weights in the compute dtype): for blocks of tokens at a time."""
+    dtype = config.compute_dtype
+    if config.tie_word_embeddings:
+        w_VxD = params["embed_tokens"]["embedding"].astype(dtype)
+        logits = jnp.dot(x_BxTxD.astype(dtype), w_VxD.T)
+    else:
+        logits = jnp.dot(x_BxTxD.astype(dtype), params["lm_head"]["kernel"].astype(dtype))
+    return logits.astype(jnp.float32)
+
+
 class Transformer(nn.Module):
     """Causal LM. `__call__(tokens_BxT, positions_BxT, attn_BxTxS, caches=None, cache_index=0)`
-    returns `(logits_BxTxV in float32, new caches or None)`. `positions_BxT` may be given as their
-    `rope_tables`: a loop of decode steps computes them once (XLA:CPU would recompute the cos and
-    sin in every layer's fusions, each ~20 ns per element)."""
+    returns `(logits_BxTxV in float32, new caches or None)`; with `hidden_only` the final
+    normalised hidden states `x_BxTxD` instead of the logits (`lm_head` maps them). `positions_BxT`
+    may be given as their `rope_tables`: a loop of decode steps computes them once (XLA:CPU would
+    recompute the cos and sin in every layer's fusions, each ~20 ns per element)."""
 
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens_BxT, positions_BxT, attn_BxTxS, caches=None, cache_index=0):
+    def __call__(self, tokens_BxT, positions_BxT, attn_BxTxS, caches=None, cache_index=0,
+                 hidden_only: bool = False):
         c = self.config
         embed = nn.Embed(
             c.vocab_size, c.hidden_size, dtype=c.compute_dtype, param_dtype=c.weight_dtype,
@@ -321,21 +375,17 @@ class Transformer(nn.Module):
             name="embed_tokens",
         )
         x_BxTxD = nn.with_logical_constraint(embed(tokens_BxT), ("batch", "length", "embed"))
-        layer_cls = nn.remat(DecoderLayer) if c.remat else DecoderLayer
         rope = positions_BxT if isinstance(positions_BxT, Rope) else rope_tables(positions_BxT, c)
-        new_caches = []
-        for i in range(c.num_layers):
-            x_BxTxD, cache = layer_cls(c, name=f"layers_{i}")(
-                x_BxTxD, rope, attn_BxTxS, None if caches is None else caches[i],
-                cache_index)
-            new_caches.append(cache)
+        x_BxTxD, new_caches = _decoder_stack(c, x_BxTxD, rope, attn_BxTxS, caches, cache_index)
         x_BxTxD = RMSNorm(c.rms_norm_eps, c.compute_dtype, c.weight_dtype, name="norm")(x_BxTxD)
+        if hidden_only:  # (init runs the head, so its parameters exist)
+            return x_BxTxD, new_caches
         if c.tie_word_embeddings:
             logits = embed.attend(x_BxTxD)
         else:
             logits = _dense(c, c.vocab_size, ("embed", "vocab"), False, "lm_head")(x_BxTxD)
         logits = nn.with_logical_constraint(logits.astype(jnp.float32), ("batch", "length", "vocab"))
-        return logits, (None if caches is None else new_caches)
+        return logits, new_caches
 
 
 def forward(model: Transformer, params, tokens_BxT, mask_BxT) -> jax.Array:
@@ -343,3 +393,27 @@ def forward(model: Transformer, params, tokens_BxT, mask_BxT) -> jax.Array:
     logits, _ = model.apply({"params": params}, tokens_BxT, positions_from_mask(mask_BxT),
                             causal_attention_mask(mask_BxT))
     return logits
+
+
+def forward_hidden(model: Transformer, params, tokens_BxT, mask_BxT) -> jax.Array:
+    """Teacher-forced final hidden states `x_BxTxD` (what `lm_head` maps to the logits)."""
+    x_BxTxD, _ = model.apply({"params": params}, tokens_BxT, positions_from_mask(mask_BxT),
+                             causal_attention_mask(mask_BxT), hidden_only=True)
+    return x_BxTxD
+
+
+def stack_layers(params, num_layers: int):
+    """Unrolled params (`layers_0` ... `layers_{L-1}`) in the scanned layout: one `layers` tree
+    whose leaves are the L layers' leaves stacked on a new leading axis."""
+    per_layer = [params[f"layers_{i}"] for i in range(num_layers)]
+    rest = {k: v for k, v in params.items() if not k.startswith("layers_")}
+    return {**rest, "layers": jax.tree.map(lambda *xs: jnp.stack(xs), *per_layer)}
+
+
+def unstack_layers(params):
+    """Scanned params in the unrolled layout: `layers` split along its leading axis."""
+    stacked = params["layers"]
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    rest = {k: v for k, v in params.items() if k != "layers"}
+    return {**rest, **{f"layers_{i}": jax.tree.map(lambda x, i=i: x[i], stacked)
+                       for i in range(n)}}

@@ -40,7 +40,8 @@ _RANGES = {
     "checkpoint.every": "[1, inf)", "checkpoint.keep": "[1, inf)",
     "eval.every": "[0, inf)", "eval.samples": "[1, inf)", "eval.temperature": "(0, inf)",
     "eval.top_p": "(0, 1]", "eval.max_problems": "[0, inf)", "eval.batch_prompts": "[1, inf)",
-    "model.attention_chunk": "[0, inf)",
+    "model.attention_chunk": "[0, inf)", "model.logits_chunk": "[0, inf)",
+    "rollout.micro_batch_prompts": "[0, inf)",
 }
 
 
@@ -104,6 +105,9 @@ def check_config(c: ml_collections.ConfigDict) -> None:
                           f"rollout.max_new_tokens {c.rollout.max_new_tokens}")
     if 0 < c.loss.clip_ratio_c <= 1:
         raise ConfigError(f"loss.clip_ratio_c must be 0 (off) or > 1, got {c.loss.clip_ratio_c}")
+    if not hasattr(jax.checkpoint_policies, c.model.remat_policy):
+        raise ConfigError(f"model.remat_policy {c.model.remat_policy!r} is not a "
+                          "jax.checkpoint_policies name (e.g. nothing_saveable)")
     if c.loss.agg_mode not in objective.AGG_MODES:
         raise ConfigError(f"loss.agg_mode {c.loss.agg_mode!r} is not one of {objective.AGG_MODES}")
     for section, make in (("reward", lambda: rewards.get_reward_fn(c.reward.fn)),
@@ -220,11 +224,28 @@ def _ids(x) -> tuple[int, ...]:
     return () if x is None else tuple(x) if isinstance(x, (list, tuple)) else (x,)
 
 
+def make_optimizer(c: ml_collections.ConfigDict):
+    """`(optimizer, schedule)` of the config's optim section."""
+    schedule = learning_rate_schedule(c)
+    optimizer = train_step.make_optimizer(schedule, weight_decay=c.optim.weight_decay,
+                                          max_grad_norm=c.optim.grad_clip, b1=c.optim.b1,
+                                          b2=c.optim.b2, eps=c.optim.eps)
+    return optimizer, schedule
+
+
+def model_numerics(c: ml_collections.ConfigDict) -> dict:
+    """The ModelConfig fields that the config's `model` section sets (the rest come from
+    config.json)."""
+    m = c.model
+    return dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
+                remat_policy=m.remat_policy, attention_chunk=m.attention_chunk,
+                scan_layers=m.scan_layers, logits_chunk=m.logits_chunk)
+
+
 def build(c: ml_collections.ConfigDict, workdir: str) -> Run:
     """The mesh, model, tokenizer, data, samplers, compiled steps and reward workers."""
     mesh = sharding.make_mesh(c.mesh)
-    numerics = dict(dtype=c.model.dtype, param_dtype=c.model.param_dtype, remat=c.model.remat,
-                    attention_chunk=c.model.attention_chunk)
+    numerics = model_numerics(c)
     hf_config, mcfg = hf_io.check_model_folder(c.model.path, **numerics)
     if c.loss.beta > 0 and hf_io.check_model_folder(c.reference.path, **numerics)[1] != mcfg:
         raise ConfigError(f"reference.path {c.reference.path!r} is not a model of the "
@@ -237,13 +258,10 @@ def build(c: ml_collections.ConfigDict, workdir: str) -> Run:
     sampling = dict(max_new_tokens=c.rollout.max_new_tokens, eos_ids=eos, pad_id=pad,
                     prompt_buckets=tuple(c.data.prompt_buckets), top_k=c.rollout.top_k)
     sampler = Sampler(m, SamplingConfig(temperature=c.rollout.temperature, top_p=c.rollout.top_p,
-                                        **sampling), mesh)
+                                        **sampling), mesh, c.rollout.micro_batch_prompts)
     eval_sampler = Sampler(m, SamplingConfig(temperature=c.eval.temperature, top_p=c.eval.top_p,
                                              **sampling), mesh)
-    schedule = learning_rate_schedule(c)
-    optimizer = train_step.make_optimizer(schedule, weight_decay=c.optim.weight_decay,
-                                          max_grad_norm=c.optim.grad_clip, b1=c.optim.b1,
-                                          b2=c.optim.b2, eps=c.optim.eps)
+    optimizer, schedule = make_optimizer(c)
     loss_cfg = loss_config(c)
     g = c.rollout.group_size
     step_fn = train_step.make_train_step(

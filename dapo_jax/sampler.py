@@ -35,8 +35,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from dapo_jax import sharding
-from dapo_jax.model import (KEY_TILE, KVCache, Rope, Transformer, causal_attention_mask,
-                            init_cache, positions_from_mask, rope_tables)
+from dapo_jax.model import (KEY_TILE, KVCache, Rope, Transformer, cache_layer_axes,
+                            causal_attention_mask, init_cache, positions_from_mask, rope_tables)
 
 _CACHE_AXES = KVCache(k=("batch", "kv_heads", "length", None, None),
                       v=("batch", "kv_heads", "length", None))
@@ -72,10 +72,10 @@ class SamplingConfig:
             raise ValueError(f"decode_chunks must be >= 1, got {self.decode_chunks}")
 
 
-def prefill(model: Transformer, params, tokens_PxT, mask_PxT, cache_len: int) -> list[KVCache]:
+def prefill(model: Transformer, params, tokens_PxT, mask_PxT, cache_len: int):
     """Fresh caches of `cache_len` slots (whole key tiles) holding the keys/values of the T prompt
-    tokens at slots 0..T-1. The logits are not used, so XLA drops the LM head over the T x vocab
-    positions."""
+    tokens at slots 0..T-1 (a list of per-layer caches, or one stacked KVCache for a scanned
+    model). The logits are not used, so XLA drops the LM head over the T x vocab positions."""
     caches = init_cache(model.config, tokens_PxT.shape[0], cache_len)
     t = tokens_PxT.shape[1]
     if t == 0:
@@ -162,7 +162,7 @@ def sample_token(logits_BxV, u_B, config: SamplingConfig):
 class _LoopState(NamedTuple):
     step: jax.Array  # t: tokens sampled so far
     feed_B: jax.Array  # token fed at slot L-1+t
-    caches: list[KVCache]
+    caches: list[KVCache] | KVCache  # per layer, or stacked (scanned model)
     tokens_BxN: jax.Array
     logp_BxN: jax.Array
     ended_B: jax.Array  # sampled an end id
@@ -178,11 +178,42 @@ def decode_phases(config: SamplingConfig, prompt_len: int) -> list[tuple[int, in
     return [(end, -(-(prompt_len - 1 + end) // KEY_TILE) * KEY_TILE) for end in ends]
 
 
-def _grow(caches: list[KVCache], slots: int) -> list[KVCache]:
+def _cache_list(caches) -> list[KVCache]:
+    """The per-layer caches, or the one stacked KVCache of a scanned model, as a list."""
+    return [caches] if isinstance(caches, KVCache) else list(caches)
+
+
+def _from_list(caches: list[KVCache], like):
+    return caches[0] if isinstance(like, KVCache) else caches
+
+
+def cache_slots(caches) -> int:
+    """S, the slots each cache holds."""
+    return _cache_list(caches)[0].v.shape[2 + cache_layer_axes(caches)]
+
+
+def _grow(caches, slots: int):
     """Caches extended with empty slots up to `slots` (whole key tiles)."""
+    lead = cache_layer_axes(caches)
     pad = lambda x, axis, size: jnp.pad(x, [(0, size - x.shape[axis]) if a == axis else (0, 0)
                                             for a in range(x.ndim)])
-    return [KVCache(pad(c.k, 2, slots // KEY_TILE), pad(c.v, 2, slots)) for c in caches]
+    grown = [KVCache(pad(c.k, 2 + lead, slots // KEY_TILE), pad(c.v, 2 + lead, slots))
+             for c in _cache_list(caches)]
+    return _from_list(grown, caches)
+
+
+def _constrain_caches(caches):
+    """Caches laid out as `_CACHE_AXES` (behind the layer axis of a stacked cache)."""
+    lead = ("layers",) * cache_layer_axes(caches)
+    out = [KVCache(*(nn.with_logical_constraint(x, lead + axes) for x, axes in zip(c, _CACHE_AXES)))
+           for c in _cache_list(caches)]
+    return _from_list(out, caches)
+
+
+def _repeat_caches(caches, n: int):
+    """Every cache row repeated n times along the batch (row b = p*n + g)."""
+    axis = cache_layer_axes(caches)
+    return jax.tree.map(lambda x: jnp.repeat(x, n, axis=axis), caches)
 
 
 def rollout(model: Transformer, config: SamplingConfig, n: int, params, prompt_PxL, mask_PxL,
@@ -191,13 +222,12 @@ def rollout(model: Transformer, config: SamplingConfig, n: int, params, prompt_P
     p, l = prompt_PxL.shape
     n_new, b = config.max_new_tokens, p * n
     mask_PxL = mask_PxL.astype(bool)
-    constrain = lambda caches: [KVCache(*map(nn.with_logical_constraint, c, _CACHE_AXES))
-                                for c in caches]
+    constrain = _constrain_caches
     repeat = lambda x: jnp.repeat(x, n, axis=0)
     phases = decode_phases(config, l)
 
     caches = prefill(model, params, prompt_PxL[:, :-1], mask_PxL[:, :-1], phases[0][1])
-    caches = constrain(jax.tree.map(repeat, caches))
+    caches = constrain(_repeat_caches(caches, n))
     readable_BxS = repeat(jnp.pad(mask_PxL, ((0, 0), (0, phases[-1][1] - l)), constant_values=True))
     first_pos_B = repeat(mask_PxL.sum(-1, dtype=jnp.int32) - 1)
     rope_1xP = rope_tables(jnp.arange(l + n_new)[None], model.config)  # all positions rows reach
@@ -208,7 +238,7 @@ def rollout(model: Transformer, config: SamplingConfig, n: int, params, prompt_P
 
     def body(st: _LoopState) -> _LoopState:
         slot = l - 1 + st.step
-        w = st.caches[0].v.shape[2]  # this phase's slots
+        w = cache_slots(st.caches)  # this phase's slots
         attn_BxW = readable_BxS[:, :w] & (jnp.arange(w) <= slot)
         rope = Rope(*(x[0, first_pos_B + st.step, None] for x in rope_1xP))
         logits_BxV, caches = decode_step(model, params, st.feed_B, rope, attn_BxW, st.caches, slot)
@@ -248,6 +278,16 @@ def rollout(model: Transformer, config: SamplingConfig, n: int, params, prompt_P
     }
 
 
+def rollout_params(params, rollout_model: Transformer, mesh: Mesh):
+    """The trainer's parameters in a rollout layout, once per step: cast to `rollout_model`'s
+    param dtype (e.g. bf16) and laid out by `RULES` on `mesh` (e.g. data x tensor, fsdp 1: no
+    weight is gathered per decoded token). The cast runs where the params lie; the copy then moves
+    them across meshes over the same devices."""
+    dtype = rollout_model.config.weight_dtype
+    cast = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(dtype), p))(params)
+    return jax.device_put(cast, sharding.param_shardings(rollout_model, mesh))
+
+
 def _fit_bucket(prompt_PxL: np.ndarray, mask_PxL: np.ndarray, buckets: tuple[int, ...], pad_id: int):
     """Re-pad a left-padded batch to the smallest bucket that holds its longest prompt."""
     mask_PxL = np.asarray(mask_PxL, bool)
@@ -271,11 +311,15 @@ def _fit_bucket(prompt_PxL: np.ndarray, mask_PxL: np.ndarray, buckets: tuple[int
 class Sampler:
     """Rollouts of `model` with the trainer's parameters, where they lie on `mesh`.
 
-    One compilation per (prompt bucket, P, G); `num_traces` counts them.
+    One compilation per (prompt bucket, P, G); `num_traces` counts them. With
+    `micro_batch_prompts` a batch is decoded that many prompts at a time, so that the KV cache of
+    micro_batch_prompts x G rows, not of the whole batch, sits beside the weights.
     """
 
-    def __init__(self, model: Transformer, config: SamplingConfig, mesh: Mesh):
+    def __init__(self, model: Transformer, config: SamplingConfig, mesh: Mesh,
+                 micro_batch_prompts: int = 0):
         self.model, self.config, self.mesh = model, config, mesh
+        self.micro_batch_prompts = micro_batch_prompts  # prompts decoded at once (0: all)
         self.num_traces = 0
         self._param_shardings = sharding.param_shardings(model, mesh)
         self._data_size = mesh.shape["data"] * mesh.shape["fsdp"]
@@ -307,5 +351,14 @@ class Sampler:
         uids_P = np.arange(p, dtype=np.int32) if uids_P is None else np.asarray(uids_P, np.int32)
         prompt_PxL, mask_PxL = _fit_bucket(prompt_PxL, mask_PxL, self.config.prompt_buckets,
                                           self.config.pad_id)
+        m = self.micro_batch_prompts or p
+        if m < p and (m * n) % self._data_size:
+            raise ValueError(f"rollout micro-batches of {m} prompts x n = {n} rows do not divide "
+                             f"over the {self._data_size} devices of the data x fsdp mesh axes")
+        outs = []
         with sharding.activate(self.mesh):
-            return self._rollout_fn(n)(params, prompt_PxL, mask_PxL, uids_P, rng)
+            for i in range(0, p, m):  # each row's samples depend on its uid only, not on m
+                part = slice(i, i + m)
+                outs.append(self._rollout_fn(n)(params, prompt_PxL[part], mask_PxL[part],
+                                                uids_P[part], rng))
+        return outs[0] if len(outs) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs), *outs)

@@ -30,6 +30,7 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("length", None),
     ("norm", None),
     ("head_dim", None),  # Qwen3's q/k norm scales: one head's width, replicated
+    ("layers", None),  # the stacked layer axis of a scanned model: every layer on every shard
 )
 
 

@@ -144,14 +144,50 @@ def shifted_logp_and_entropy(logits_BxTxV, tokens_BxT, temperature: float):
     return shift(logp_BxT), shift(entropy_BxT)
 
 
+def chunked_logp_and_entropy(config: model_lib.ModelConfig, params, x_BxTxD, targets_BxT,
+                             temperature: float, chunk: int, remat: bool = True):
+    """`objective.token_logp_and_entropy` of the logits `lm_head(x)`, computed over blocks of
+    `chunk` tokens (one block when T <= chunk or chunk = 0). Each block's B x chunk x V logits
+    are made, reduced to log p and H and dropped; with `remat` they are recomputed in the backward
+    pass, which then also holds one block's logits at a time, not T x V of them (~13 GB of f32
+    logits per 20k-token sequence at Qwen's 152k vocabulary)."""
+    def block(x_bxCxD, targets_bxC):
+        logits_bxCxV = nn.with_logical_constraint(model_lib.lm_head(config, params, x_bxCxD),
+                                                  ("batch", "length", "vocab"))
+        return objective.token_logp_and_entropy(logits_bxCxV, targets_bxC, temperature)
+
+    b, t, d = x_BxTxD.shape
+    if not chunk or t <= chunk:
+        return block(x_BxTxD, targets_BxT)
+    n = -(-t // chunk)
+    pad = ((0, 0), (0, n * chunk - t))  # padded tokens' values are dropped
+    x_NxBxCxD = jnp.pad(x_BxTxD, pad + ((0, 0),)).reshape(b, n, chunk, d).swapaxes(0, 1)
+    targets_NxBxC = jnp.pad(targets_BxT, pad).reshape(b, n, chunk).swapaxes(0, 1)
+    one = lambda xs: block(*xs)
+    logp_NxBxC, entropy_NxBxC = jax.lax.map(jax.checkpoint(one) if remat else one,
+                                            (x_NxBxCxD, targets_NxBxC))
+    merge = lambda v_NxBxC: v_NxBxC.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
+    return merge(logp_NxBxC), merge(entropy_NxBxC)
+
+
+def model_logp_and_entropy(model, params, tokens_BxT, mask_BxT, temperature: float):
+    """`shifted_logp_and_entropy` of the model's teacher-forced pass, the LM head and log-softmax
+    over blocks of `model.config.logits_chunk` tokens (`chunked_logp_and_entropy`)."""
+    x_BxTxD = model_lib.forward_hidden(model, params, tokens_BxT, mask_BxT)
+    next_BxT = jnp.roll(tokens_BxT, -1, axis=1)
+    logp_BxT, entropy_BxT = chunked_logp_and_entropy(model.config, params, x_BxTxD, next_BxT,
+                                                     temperature, model.config.logits_chunk)
+    shift = lambda x_BxT: jnp.pad(x_BxT[:, :-1], ((0, 0), (1, 0)))
+    return shift(logp_BxT), shift(entropy_BxT)
+
+
 def compute_logprobs(model, params, tokens_BxT, mask_BxT, temperature: float,
                      num_micro_batches: int):
     """log pi_params(token_t | tokens_<t) aligned with tokens (entry 0 and padding: don't care),
     one forward per micro-batch (`lax.map`) to bound the memory of the logits."""
     def one(micro):
         tokens_bxT, mask_bxT = micro
-        logits_bxTxV = model_lib.forward(model, params, tokens_bxT, mask_bxT)
-        return shifted_logp_and_entropy(logits_bxTxV, tokens_bxT, temperature)[0]
+        return model_logp_and_entropy(model, params, tokens_bxT, mask_bxT, temperature)[0]
 
     split = functools.partial(_split_micro, n=num_micro_batches)
     return _merge_micro(jax.lax.map(one, (split(tokens_BxT), split(mask_BxT))))
@@ -178,9 +214,8 @@ def loss_and_grads(model, loss_cfg: LossConfig, params, batch: Batch, num_micro_
     denom = objective.denominators(batch.loss_mask_BxT, c.agg_mode, c.norm_const)
 
     def micro_loss(p, micro: Batch):
-        logits_bxTxV = model_lib.forward(model, p, micro.tokens_BxT, micro.mask_BxT)
-        logp_bxT, entropy_bxT = shifted_logp_and_entropy(logits_bxTxV, micro.tokens_BxT,
-                                                         c.temperature)
+        logp_bxT, entropy_bxT = model_logp_and_entropy(model, p, micro.tokens_BxT,
+                                                       micro.mask_BxT, c.temperature)
         return objective.policy_loss_sum(
             logp_bxT, micro.old_logp_BxT, micro.adv_B, micro.loss_mask_BxT, denom,
             eps_low=c.eps_low, eps_high=c.eps_high, clip_ratio_c=c.clip_ratio_c,

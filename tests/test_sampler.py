@@ -1,6 +1,8 @@
 """The sampler: cached decode == teacher forcing, greedy == transformers, logp == the trainer's,
 no recompilation within buckets, reproducible per-row keys, sharded == single device."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -202,3 +204,33 @@ def test_decode_chunks_leave_rollouts_unchanged(qwen2, single):
     np.testing.assert_array_equal(out[0]["tokens"], out[1]["tokens"])
     np.testing.assert_array_equal(out[0]["length"], out[1]["length"])
     np.testing.assert_allclose(out[0]["logp"], out[1]["logp"], atol=1e-5)
+
+
+def test_rollout_micro_batches_leave_rollouts_unchanged(qwen2, single):
+    m, params = qwen2
+    prompt, mask = _prompts([8, 3, 6, 5], 8, seed=7)
+    cfg = _config(eos_ids=tuple(range(3, 15)))
+    whole = jax.device_get(sampler.Sampler(m, cfg, single).generate(
+        params, prompt, mask, 2, jax.random.key(4)))
+    parts = sampler.Sampler(m, cfg, single, micro_batch_prompts=3)  # 3 + 1 prompts
+    split = jax.device_get(parts.generate(params, prompt, mask, 2, jax.random.key(4)))
+    assert parts.num_traces == 2 and split["tokens"].shape == whole["tokens"].shape
+    for k in ("tokens", "length", "truncated", "mask"):
+        np.testing.assert_array_equal(split[k], whole[k])
+    np.testing.assert_allclose(split["logp"], whole["logp"], atol=1e-5)
+
+
+def test_rollout_params_reshard_to_a_tensor_parallel_mesh(qwen2_dir):
+    trainer_mesh = sharding.make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
+    rollout_mesh = sharding.make_mesh({"data": 4, "fsdp": 1, "tensor": 2},
+                                      devices=jax.devices()[::-1])
+    m, params = _load(qwen2_dir, trainer_mesh)
+    rollout_model = model.Transformer(dataclasses.replace(m.config, param_dtype="bfloat16"))
+    moved = sampler.rollout_params(params, rollout_model, rollout_mesh)
+    want = sharding.param_shardings(rollout_model, rollout_mesh)
+    kernel = moved["layers_0"]["mlp"]["up_proj"]["kernel"]
+    assert kernel.dtype == np.dtype("bfloat16")
+    assert kernel.sharding == want["layers_0"]["mlp"]["up_proj"]["kernel"]
+    assert kernel.addressable_shards[0].data.shape == (64, 48)  # embed whole, mlp over tensor
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(
+        np.asarray(a), np.asarray(b).astype(a.dtype)), moved, params)

@@ -1,0 +1,388 @@
+"""Compile a run's programs for a TPU slice on this machine, and say whether they fit.
+
+    python -m dapo_jax.aot --config=configs/dapo.py:qwen2_5_32b --topology=v5p-128
+    python -m dapo_jax.aot --config=configs/dapo.py:tiny --topology=cpu:8 --hbm_gib=0.01
+
+The run's mesh is built over abstract devices (`jax.experimental.topologies`, which needs libtpu:
+the `tpu` extra; `cpu:N` takes N host devices instead), and the train step, the log-prob pass, the
+prefill and the rollout (prefill + decode loop) are lowered on ShapeDtypeStructs with their
+shardings and compiled by the real compiler: no weight is read or allocated. Per program it prints
+per-chip argument / output / temporary memory against the chip's HBM, FLOPs, and the time they
+imply at the chip's peak FLOP/s and HBM bandwidth; then the KV cache and the HBM bytes each decoded
+token reads under the trainer's FSDP layout and under a tensor-parallel rollout layout. It exits 1
+with a one-line message when a program does not fit.
+
+FLOPs. XLA's cost analysis counts a loop body once (the scanned layers, the micro-batch scan, the
+decode loop), so the FLOPs and times below are the model's, counted by hand (`model_flops`); the
+bytes per decoded token come from cost analysis of one decode step at 1 and 2 layers, extrapolated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import sys
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
+
+from dapo_jax import hf_io, model, run, sampler, sharding, train_step
+from dapo_jax.errors import ConfigError
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "configs/FILE.py:VARIANT",
+                                          lock_config=False)
+_TOPOLOGY = flags.DEFINE_string("topology", "v5p-128", "v5p-N (N TensorCores), v6e-N or "
+                                "v5e-N (N chips), or cpu:N (N host devices, no libtpu)")
+_HBM = flags.DEFINE_float("hbm_gib", None, "per-chip memory to check against (default: the chip's)")
+_PROGRAMS = flags.DEFINE_list("programs", "train,logprobs,prefill,rollout,decode",
+                              "which programs to compile")
+
+GIB = 2**30
+
+
+class Chip(NamedTuple):
+    hbm_gib: float
+    peak_tflops: float  # bf16
+    hbm_gbps: float
+
+
+CHIPS = {"v5p": Chip(95, 459, 2765), "v6e": Chip(32, 918, 1640), "v5e": Chip(16, 197, 819),
+         "cpu": Chip(16, 1, 50)}
+
+# config.json of the models the shipped configs name, for when the checkpoint is not on this
+# machine (a model folder's own config.json wins). Values from the models' Hub config files.
+_QWEN = dict(hidden_act="silu", rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False,
+             max_position_embeddings=131072)
+KNOWN_MODELS = {
+    "Qwen2.5-32B": dict(_QWEN, architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                        vocab_size=152064, hidden_size=5120, intermediate_size=27648,
+                        num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
+                        rms_norm_eps=1e-5),
+    "Qwen2.5-7B": dict(_QWEN, architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                       vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4),
+    "Qwen3-8B-Base": dict(_QWEN, architectures=["Qwen3ForCausalLM"], model_type="qwen3",
+                          vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                          num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                          head_dim=128, max_position_embeddings=32768),
+}
+
+
+def topology_devices(name: str):
+    """`(chip kind, devices)` of a topology name: v5p-N counts TensorCores (2 per chip) as
+    Cloud TPU names slices, v6e-N and v5e-N count chips; cpu:N takes N host devices."""
+    kind, _, size = name.replace(":", "-").partition("-")
+    if kind not in CHIPS or not size.isdigit() or int(size) < 1:
+        raise ConfigError(f"--topology {name!r} is not v5p-N, v6e-N, v5e-N or cpu:N")
+    n = int(size)
+    if kind == "cpu":
+        devices = jax.devices("cpu")
+        if len(devices) < n:
+            raise ConfigError(f"--topology {name}: {len(devices)} host devices; run with "
+                              f"XLA_FLAGS=--xla_force_host_platform_device_count={n}")
+        return kind, devices[:n]
+    chips = n // 2 if kind == "v5p" else n
+    shape = _torus(chips, 3 if kind == "v5p" else 2, name)
+    from jax.experimental import topologies  # noqa: PLC0415 - needs libtpu only here
+    try:
+        topo = topologies.get_topology_desc(
+            platform="tpu", topology_name=f"{kind}:{'x'.join(map(str, shape))}",
+            chip_config_name="default", chips_per_host_bounds=(2, 2, 1), num_slices=1)
+    except Exception as e:  # noqa: BLE001 - no libtpu, or a shape libtpu does not know
+        raise ConfigError(f"--topology {name}: no abstract TPU devices ({type(e).__name__}: "
+                          f"{str(e)[:160]}); install the tpu extra (jax[tpu]) or use "
+                          "cpu:N") from None
+    return kind, topo.devices
+
+
+def _torus(chips: int, dims: int, name: str) -> tuple[int, ...]:
+    """The slice shape of `chips` chips: from 2x2(x1), the smallest axis doubled until full."""
+    if chips < 4 or chips & (chips - 1):
+        raise ConfigError(f"--topology {name}: {chips} chips; use a power of two >= 4 chips")
+    shape = [2, 2] + [1] * (dims - 2)
+    while math.prod(shape) < chips:
+        i = len(shape) - 1 - int(np.argmin(shape[::-1]))
+        shape[i] *= 2
+    return tuple(sorted(shape))
+
+
+def model_config(c) -> model.ModelConfig:
+    """The run's ModelConfig: the model folder's config.json, or `KNOWN_MODELS` by folder name."""
+    path = os.path.join(c.model.path, "config.json")
+    if os.path.isfile(path):
+        hf = hf_io.read_hf_config(c.model.path)
+    elif os.path.basename(c.model.path.rstrip("/")) in KNOWN_MODELS:
+        hf = KNOWN_MODELS[os.path.basename(c.model.path.rstrip("/"))]
+    else:
+        raise ConfigError(f"model.path {c.model.path!r} has no config.json here and is not one "
+                          f"of {sorted(KNOWN_MODELS)}: copy its config.json there")
+    return hf_io.config_from_hf(hf, source=path, **run.model_numerics(c))
+
+
+class Shapes(NamedTuple):
+    """The run's array sizes."""
+
+    train_rows: int  # rows of one optimizer mini-batch
+    logprob_rows: int  # rows of a rollout batch (the log-prob pass)
+    length: int  # T = longest prompt bucket + L_max, rounded up to the length bucket
+    prompts: int  # prompts of one rollout micro-batch
+    prompt_len: int  # L, the longest prompt bucket
+    group: int  # G
+    new_tokens: int  # N
+
+
+def run_shapes(c) -> Shapes:
+    g, t = c.rollout.group_size, c.train
+    bucket = t.length_bucket
+    length = -(-(max(c.data.prompt_buckets) + c.rollout.max_new_tokens) // bucket) * bucket
+    return Shapes(t.mini_batch_prompts * g, t.train_batch_prompts * g, length,
+                  c.rollout.micro_batch_prompts or c.filter.gen_batch_prompts,
+                  max(c.data.prompt_buckets), g, c.rollout.max_new_tokens)
+
+
+def _abstract(tree, shardings):
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        tree, shardings)
+
+
+def _rows(mesh, shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.batch_sharding(mesh, len(shape)))
+
+
+def model_flops(cfg: model.ModelConfig, tokens: int, context: float) -> float:
+    """Forward FLOPs of `tokens` tokens each attending over `context` keys: 2 per weight
+    (embedding lookup excluded) plus q.k and p.v, 4 x heads x head_dim per key per layer."""
+    weights = cfg.num_params() - cfg.vocab_size * cfg.hidden_size * (
+        0 if cfg.tie_word_embeddings else 1)
+    attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context
+    return tokens * (2 * weights + attention)
+
+
+def _report(name, compiled, chip: Chip, hbm_gib: float, flops: float, hbm_bytes: float,
+            seconds: float):
+    m = compiled.memory_analysis()
+    total = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+             - m.alias_size_in_bytes)
+    row = dict(program=name, args_gib=m.argument_size_in_bytes / GIB,
+               out_gib=m.output_size_in_bytes / GIB, temp_gib=m.temp_size_in_bytes / GIB,
+               alias_gib=m.alias_size_in_bytes / GIB, total_gib=total / GIB, hbm_gib=hbm_gib,
+               tflops_per_chip=flops / 1e12, flop_s=flops / (chip.peak_tflops * 1e12),
+               hbm_s=hbm_bytes / (chip.hbm_gbps * 1e9), compile_s=seconds)
+    print(f"{name:9s} args {row['args_gib']:7.2f}  out {row['out_gib']:7.2f}  temp "
+          f"{row['temp_gib']:7.2f}  alias {row['alias_gib']:7.2f}  total {row['total_gib']:7.2f} "
+          f"/ {hbm_gib:g} GiB  {row['tflops_per_chip']:10.1f} TFLOP/chip  "
+          f"{row['flop_s']:8.2f} s at peak  {row['hbm_s']:7.3f} s HBM  "
+          f"(compiled in {seconds:.0f} s)",
+          flush=True)
+    return row
+
+
+def _compile(lowered_fn):
+    start = time.perf_counter()
+    compiled = lowered_fn().compile()
+    return compiled, time.perf_counter() - start
+
+
+def _train(m, c, mesh, shapes: Shapes):
+    optimizer, schedule = run.make_optimizer(c)
+    step = train_step.make_train_step(m, optimizer, schedule, run.loss_config(c), mesh,
+                                      shapes.train_rows // c.train.micro_batch_size)
+    abstract = jax.eval_shape(
+        lambda p: train_step.TrainState(jnp.zeros((), jnp.int32), p, optimizer.init(p)),
+        sharding.abstract_params(m))
+    state = _abstract(abstract, train_step.state_shardings(m, optimizer, mesh))
+    bt = (shapes.train_rows, shapes.length)
+    batch = train_step.Batch(_rows(mesh, bt, jnp.int32), _rows(mesh, bt, bool),
+                             _rows(mesh, bt, bool), _rows(mesh, bt[:1], jnp.float32),
+                             _rows(mesh, bt, jnp.float32), None)
+    passes = 4 if m.config.remat else 3  # forward, backward (2x), and remat's second forward
+    flops = passes * model_flops(m.config, math.prod(bt), shapes.length / 2)
+    return lambda: step.lower(state, batch), flops
+
+
+def _params(m, mesh, dtype=None):
+    abstract = sharding.abstract_params(m)
+    if dtype is not None:
+        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dtype), abstract)
+    return _abstract(abstract, sharding.param_shardings(m, mesh))
+
+
+def _logprobs(m, c, mesh, shapes: Shapes):
+    fn = train_step.make_compute_logprobs(m, mesh, c.rollout.temperature,
+                                          shapes.logprob_rows // c.train.micro_batch_size)
+    bt = (shapes.logprob_rows, shapes.length)
+    flops = model_flops(m.config, math.prod(bt), shapes.length / 2)
+    return (lambda: fn.lower(_params(m, mesh), _rows(mesh, bt, jnp.int32),
+                             _rows(mesh, bt, bool)), flops)
+
+
+def _sampling(c, shapes: Shapes) -> sampler.SamplingConfig:
+    return sampler.SamplingConfig(max_new_tokens=shapes.new_tokens, eos_ids=(0,), pad_id=0,
+                                  prompt_buckets=tuple(c.data.prompt_buckets),
+                                  temperature=c.rollout.temperature, top_p=c.rollout.top_p,
+                                  top_k=c.rollout.top_k)
+
+
+def _on_mesh(mesh, fn):
+    def lower():
+        with sharding.activate(mesh):
+            return fn()
+    return lower
+
+
+def _prefill(m, c, mesh, shapes: Shapes):
+    p, l = shapes.prompts, shapes.prompt_len
+    slots = sampler.decode_phases(_sampling(c, shapes), l)[0][1]
+    rep = sharding.replicated(mesh)
+    fn = jax.jit(lambda prm, t, k: sampler._constrain_caches(sampler.prefill(m, prm, t, k, slots)),
+                 in_shardings=(sharding.param_shardings(m, mesh), rep, rep))
+    args = (_params(m, mesh), jax.ShapeDtypeStruct((p, l - 1), jnp.int32),
+            jax.ShapeDtypeStruct((p, l - 1), bool))
+    return _on_mesh(mesh, lambda: fn.lower(*args)), model_flops(m.config, p * l, l / 2)
+
+
+def _rollout(m, c, mesh, shapes: Shapes):
+    p, l, g, n = shapes.prompts, shapes.prompt_len, shapes.group, shapes.new_tokens
+    rep = sharding.replicated(mesh)
+    out = {k: sharding.batch_sharding(mesh, 1 if k in ("length", "truncated") else 2)
+           for k in ("tokens", "logp", "mask", "length", "truncated")}
+    fn = jax.jit(functools.partial(sampler.rollout, m, _sampling(c, shapes), g),
+                 in_shardings=(sharding.param_shardings(m, mesh), rep, rep, rep, rep),
+                 out_shardings=out)
+    args = (_params(m, mesh), jax.ShapeDtypeStruct((p, l), jnp.int32),
+            jax.ShapeDtypeStruct((p, l), bool), jax.ShapeDtypeStruct((p,), jnp.int32),
+            jax.eval_shape(lambda: jax.random.key(0)))
+    flops = model_flops(m.config, p * l, l / 2) + model_flops(m.config, p * g * n, l + n / 2)
+    return _on_mesh(mesh, lambda: fn.lower(*args)), flops
+
+
+PROGRAMS = {"train": _train, "logprobs": _logprobs, "prefill": _prefill, "rollout": _rollout}
+
+
+def _decode_step_bytes(cfg: model.ModelConfig, mesh, rows: int, slots: int, dtype) -> float:
+    """HBM bytes one chip reads and writes in one decode step of `rows` rows over caches of
+    `slots` slots, the weights in `dtype`, laid out by `RULES` on `mesh`: cost analysis of the
+    step at 1 and 2 scanned layers, extrapolated linearly to `cfg.num_layers`."""
+    measured = []
+    for layers in (1, 2):
+        m = model.Transformer(dataclasses.replace(cfg, num_layers=layers, scan_layers=True,
+                                                  remat=False))
+        rep = sharding.replicated(mesh)
+        cache_sh = jax.tree.map(lambda axes: sharding.logical_to_sharding(
+            jax.sharding.PartitionSpec("layers", *axes), mesh), sampler._CACHE_AXES,
+            is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(a, (str, type(None)))
+                                                           for a in x))
+        caches = _abstract(jax.eval_shape(lambda m=m: model.init_cache(m.config, rows, slots)),
+                           cache_sh)
+        fn = jax.jit(lambda p, t, pos, a, kv, m=m: sampler.decode_step(m, p, t, pos, a, kv,
+                                                                        slots - 1),
+                     in_shardings=(sharding.param_shardings(m, mesh), rep, rep, rep, cache_sh))
+        args = (_params(m, mesh, dtype), jax.ShapeDtypeStruct((rows,), jnp.int32),
+                jax.ShapeDtypeStruct((rows,), jnp.int32),
+                jax.ShapeDtypeStruct((rows, slots), bool), caches)
+        with sharding.activate(mesh):
+            cost = fn.lower(*args).compile().cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        measured.append(float(cost["bytes accessed"]))
+    per_layer = measured[1] - measured[0]
+    return measured[0] + per_layer * (cfg.num_layers - 1)
+
+
+def decode_layouts(cfg, c, mesh, devices, shapes: Shapes, chip: Chip) -> list[dict]:
+    """The KV cache, and the bytes per decoded token under the trainer's layout (its mesh, f32
+    FSDP weights all-gathered every step) and a tensor-parallel rollout layout (bf16 weights
+    over `tensor` chips only, replicated across data groups)."""
+    rows, slots = shapes.prompts * shapes.group, shapes.prompt_len + shapes.new_tokens
+    slots = -(-slots // model.KEY_TILE) * model.KEY_TILE
+    kv_bytes = 2 * cfg.num_layers * rows * cfg.num_kv_heads * slots * cfg.head_dim * 2
+    n, tp = len(devices), mesh.shape["tensor"]
+    tp_mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": tp}, devices)
+    weights = cfg.num_params()
+    out = []
+    for name, m, dtype, gathered in (
+            ("trainer FSDP", mesh, cfg.weight_dtype, weights * cfg.weight_dtype.itemsize / tp),
+            ("rollout TP", tp_mesh, jnp.bfloat16, 0.0)):
+        step = _decode_step_bytes(cfg, m, rows, slots, dtype)
+        fsdp = m.shape["fsdp"]
+        out.append(dict(layout=name, mesh=dict(m.shape), weights_per_chip_gib=(
+            weights * np.dtype(dtype).itemsize / (tp * fsdp) / GIB),
+            step_hbm_gib=step / GIB, hbm_bytes_per_token=step * n / rows,
+            ici_gather_gib_per_step=gathered * (fsdp - 1) / fsdp / GIB,
+            step_hbm_s=step / (chip.hbm_gbps * 1e9),
+            decode_hbm_s=shapes.new_tokens * step / (chip.hbm_gbps * 1e9)))
+    print(f"KV cache (bf16) of {rows} rows x {slots} slots: {kv_bytes / GIB:.1f} GiB, "
+          f"{kv_bytes / n / GIB:.2f} GiB per chip", flush=True)
+    for r in out:
+        print(f"decode {r['layout']:12s} mesh {r['mesh']}  weights {r['weights_per_chip_gib']:.2f}"
+              f" GiB/chip  HBM {r['step_hbm_gib']:.2f} GiB/chip/step ({r['step_hbm_s'] * 1e3:.1f}"
+              f" ms, {r['decode_hbm_s']:.0f} s for N steps)  "
+              f"{r['hbm_bytes_per_token'] / 2**20:.1f} MiB HBM per decoded token  "
+              f"all-gather {r['ici_gather_gib_per_step']:.2f} GiB/chip/step", flush=True)
+    cheaper = min(out, key=lambda r: r["step_hbm_gib"] + r["ici_gather_gib_per_step"])
+    print(f"cheaper per decoded token: {cheaper['layout']}", flush=True)
+    return [dict(r, kv_cache_gib=kv_bytes / GIB) for r in out]
+
+
+def check_fit(rows: list[dict]) -> str | None:
+    """The one-line complaint about the first program that does not fit, or None."""
+    for r in rows:
+        if r["total_gib"] > r["hbm_gib"]:
+            return (f"{r['program']} needs {r['total_gib']:.2f} GiB per chip, "
+                    f"{r['total_gib'] - r['hbm_gib']:.2f} GiB more than the {r['hbm_gib']:g} GiB "
+                    "it has: more chips, a smaller micro-batch or a longer chunked pass")
+    return None
+
+
+def analyse(c, topology: str, hbm_gib: float | None, programs) -> tuple[list[dict], str | None]:
+    """Compile `programs` of the config `c` for `topology`, one at a time; print and return the
+    rows, and the complaint of `check_fit`."""
+    run.check_ranges(c)
+    kind, devices = topology_devices(topology)
+    chip = CHIPS[kind]
+    hbm_gib = chip.hbm_gib if hbm_gib is None else hbm_gib
+    mesh = sharding.make_mesh(c.mesh, devices)
+    cfg = model_config(c)
+    if kind == "cpu" and cfg.compute_dtype == jnp.bfloat16:
+        cfg = dataclasses.replace(cfg, dtype="float32")  # XLA:CPU lacks some bf16 dots
+    m, shapes = model.Transformer(cfg), run_shapes(c)
+    print(f"{topology}: {len(devices)} chips, mesh {dict(mesh.shape)}, {cfg.num_params() / 1e9:.2f}"
+          f"B params, compute {cfg.dtype}, {shapes}", flush=True)
+    rows = []
+    for name in programs:
+        if name == "decode":
+            continue
+        if name not in PROGRAMS:
+            raise ConfigError(f"--programs: {name!r} is not one of {sorted(PROGRAMS) + ['decode']}")
+        lower, flops = PROGRAMS[name](m, c, mesh, shapes)
+        compiled, seconds = _compile(lower)
+        rows.append(_report(name, compiled, chip, hbm_gib, flops / len(devices), 0.0, seconds))
+    if "decode" in programs:
+        rows_decode = decode_layouts(cfg, c, mesh, devices, shapes, chip)
+        rows.append(dict(program="decode", layouts=rows_decode, total_gib=0.0, hbm_gib=hbm_gib))
+    return rows, check_fit(rows)
+
+
+def main(argv):
+    del argv
+    try:
+        rows, complaint = analyse(_CONFIG.value, _TOPOLOGY.value, _HBM.value, _PROGRAMS.value)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(json.dumps(rows, default=float))
+    if complaint:
+        print(f"does not fit: {complaint}", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    flags.mark_flags_as_required(["config"])
+    app.run(main)

@@ -1,0 +1,52 @@
+"""The AOT tool on the tiny config over fake CPU devices: every program compiles and fits, and a
+memory too small for them is rejected with one line."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dapo_jax import aot
+from dapo_jax.errors import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _aot(*flags):
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-m", "dapo_jax.aot", "--config=configs/dapo.py:tiny",
+                           "--topology=cpu:8", *flags], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_tiny_programs_compile_and_fit():
+    out = _aot()
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [r["program"] for r in rows] == ["train", "logprobs", "prefill", "rollout", "decode"]
+    for r in rows[:4]:
+        assert 0 < r["total_gib"] < r["hbm_gib"] == 16
+        assert r["tflops_per_chip"] > 0 and r["temp_gib"] > 0
+    train = rows[0]  # the donated state: its outputs alias its arguments
+    assert train["alias_gib"] > 0
+    layouts = {r["layout"]: r for r in rows[4]["layouts"]}
+    assert set(layouts) == {"trainer FSDP", "rollout TP"}
+    assert all(r["hbm_bytes_per_token"] > 0 and r["kv_cache_gib"] > 0 for r in layouts.values())
+
+
+def test_too_small_memory_is_one_line():
+    out = _aot("--hbm_gib=0.001", "--programs=logprobs")
+    assert out.returncode == 1
+    (line,) = out.stderr.strip().splitlines()[-1:]
+    assert line.startswith("does not fit: logprobs needs ") and "0.001 GiB" in line
+    assert "Traceback" not in out.stderr
+
+
+def test_bad_topology_is_named():
+    with pytest.raises(ConfigError, match="v7x-8"):
+        aot.topology_devices("v7x-8")
+    assert aot._torus(64, 3, "v5p-128") == (4, 4, 4)
+    assert aot._torus(256, 2, "v6e-256") == (16, 16)
+    assert aot._torus(128, 3, "v5p-256") == (4, 4, 8)

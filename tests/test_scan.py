@@ -1,0 +1,135 @@
+"""Scanned layers (one compiled layer body, params stacked on "layers") == the unrolled loop:
+logits, gradients, the sampler's cached decode, and HF safetensors in and out."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import traverse_util
+
+from dapo_jax import hf_io, model, sampler, sharding, train_step
+
+
+def _models(model_dir):
+    cfg = hf_io.config_from_hf(hf_io.read_hf_config(model_dir), dtype="float32")
+    return model.Transformer(cfg), model.Transformer(dataclasses.replace(
+        cfg, scan_layers=True, remat=True))
+
+
+@pytest.fixture(scope="module")
+def single():
+    return sharding.make_mesh({"data": -1}, devices=jax.devices()[:1])
+
+
+def _batch(vocab, b=3, t=11, seed=0):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1, vocab, size=(b, t)).astype(np.int32)
+    mask = np.arange(t)[None] >= np.asarray([0, 3, 6][:b])[:, None]  # left padded
+    return tokens, mask
+
+
+def _close(a, b, tol=1e-5):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("fixture", ["qwen2_dir", "qwen3_dir"])
+def test_scanned_logits_and_gradients_equal_unrolled(fixture, request, single):
+    model_dir = request.getfixturevalue(fixture)
+    unrolled, scanned = _models(model_dir)
+    params = hf_io.load_params(model_dir, unrolled, single)
+    stacked = model.stack_layers(params, unrolled.config.num_layers)
+    tokens, mask = _batch(unrolled.config.vocab_size)
+    _close(model.forward(scanned, stacked, tokens, mask),
+           model.forward(unrolled, params, tokens, mask))
+
+    def loss(m):
+        def f(p):
+            logp, entropy = train_step.model_logp_and_entropy(m, p, tokens, mask, 0.7)
+            return jnp.sum(logp * mask) + jnp.sum(entropy * mask)
+        return f
+
+    g_unrolled = model.stack_layers(jax.grad(loss(unrolled))(params), unrolled.config.num_layers)
+    g_scanned = jax.grad(loss(scanned))(stacked)
+    jax.tree.map(_close, g_scanned, g_unrolled)
+
+
+def test_hf_folder_loads_stacked_and_round_trips(qwen2_dir, single, tmp_path):
+    unrolled, scanned = _models(qwen2_dir)
+    params = hf_io.load_params(qwen2_dir, unrolled, single)
+    stacked = hf_io.load_params(qwen2_dir, scanned, single)
+    assert stacked["layers"]["mlp"]["up_proj"]["kernel"].shape[0] == unrolled.config.num_layers
+    expected = model.stack_layers(params, unrolled.config.num_layers)
+    jax.tree.map(np.testing.assert_array_equal, stacked, expected)
+
+    hf_io.save_params(stacked, hf_io.read_hf_config(qwen2_dir), str(tmp_path))
+    again = hf_io.load_params(str(tmp_path), scanned, single)
+    jax.tree.map(np.testing.assert_array_equal, again, stacked)
+    flat_saved = traverse_util.flatten_dict(hf_io.load_params(str(tmp_path), unrolled, single))
+    for path, x in traverse_util.flatten_dict(params).items():  # the same per-layer tensors
+        np.testing.assert_array_equal(flat_saved[path], x)
+
+
+def test_scanned_sampler_equals_unrolled(qwen2_dir, single):
+    unrolled, scanned = _models(qwen2_dir)
+    params = hf_io.load_params(qwen2_dir, unrolled, single)
+    stacked = model.stack_layers(params, unrolled.config.num_layers)
+    cfg = sampler.SamplingConfig(max_new_tokens=12, eos_ids=(), pad_id=0, prompt_buckets=(8,),
+                                 decode_chunks=2)
+    tokens, mask = _batch(unrolled.config.vocab_size, t=8)
+    outs = [sampler.Sampler(m, cfg, single).generate(p, tokens, mask, 2, jax.random.key(3))
+            for m, p in ((unrolled, params), (scanned, stacked))]
+    np.testing.assert_array_equal(outs[0]["tokens"], outs[1]["tokens"])
+    _close(outs[0]["logp"], outs[1]["logp"])
+    caches = sampler.prefill(scanned, stacked, tokens, mask, 32)
+    assert isinstance(caches, model.KVCache) and caches.v.shape[0] == unrolled.config.num_layers
+
+
+def _head_case(vocab=512, d=16, b=2, t=64):
+    cfg = model.ModelConfig(vocab_size=vocab, hidden_size=d, intermediate_size=8, num_layers=1,
+                            num_heads=1, num_kv_heads=1, head_dim=8, dtype="float32")
+    keys = jax.random.split(jax.random.key(0), 3)
+    params = {"lm_head": {"kernel": jax.random.normal(keys[0], (d, vocab))}}
+    x_BxTxD = jax.random.normal(keys[1], (b, t, d))
+    targets_BxT = jax.random.randint(keys[2], (b, t), 0, vocab)
+    return cfg, params, x_BxTxD, targets_BxT
+
+
+def test_chunked_logp_entropy_and_gradients_equal_unchunked():
+    cfg, params, x_BxTxD, targets_BxT = _head_case(t=37)  # 37 tokens: a ragged last chunk
+    logits_BxTxV = x_BxTxD @ params["lm_head"]["kernel"]
+    want = jax.tree.map(np.asarray, train_step.objective.token_logp_and_entropy(
+        logits_BxTxV, targets_BxT, 0.8))
+
+    def value(p, x, chunk):
+        logp, entropy = train_step.chunked_logp_and_entropy(cfg, p, x, targets_BxT, 0.8, chunk)
+        return jnp.sum(logp * jnp.arange(37)) + jnp.sum(entropy), (logp, entropy)
+
+    grads = jax.grad(value, argnums=(0, 1), has_aux=True)
+    g_full, _ = grads(params, x_BxTxD, 0)
+    for chunk in (8, 16):
+        got = value(params, x_BxTxD, chunk)[1]
+        _close(got[0], want[0])
+        _close(got[1], want[1])
+        jax.tree.map(_close, grads(params, x_BxTxD, chunk)[0], g_full)
+
+
+def _temp_bytes(chunk, remat=True):
+    cfg, params, x_BxTxD, targets_BxT = _head_case(vocab=4096, d=32, b=2, t=256)
+
+    def loss(p, x):
+        logp, entropy = train_step.chunked_logp_and_entropy(cfg, p, x, targets_BxT, 1.0, chunk,
+                                                            remat=remat)
+        return jnp.sum(logp) + jnp.sum(entropy)
+
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x_BxTxD).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_chunked_backward_holds_one_chunk_of_logits():
+    full_logits = 2 * 256 * 4096 * 4  # B x T x V f32: 8 MiB (XLA:CPU held 4 such arrays)
+    unchunked, chunked, no_remat = _temp_bytes(0), _temp_bytes(32), _temp_bytes(32, remat=False)
+    assert unchunked >= 2 * full_logits
+    assert chunked < full_logits / 1.5  # 32 of 256 tokens: ~1/8 of the unchunked
+    assert no_remat >= 2 * full_logits  # without remat each chunk's residuals stay: T x V again
