@@ -17,6 +17,8 @@ demo: venv
 	$(PY) -m dapo_jax.train --config=configs/dapo.py:tiny --workdir=runs/demo
 
 test: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q --durations=15 tests
 
 test-fast: venv

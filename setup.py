@@ -1,4 +1,5 @@
 """dapo-jax: DAPO reinforcement learning for language models in JAX."""
+
 import setuptools
 
 setuptools.setup(
@@ -29,8 +30,14 @@ setuptools.setup(
         # wandb and tensorboard (the viewer of the event files that tensorboardX writes) are
         # in the test extra so that the wandb writer's test runs and `tensorboard --logdir`
         # works in the project's virtualenv; ruff is the linter (ruff.toml).
-        "test": ["pytest>=8,<10", "torch==2.13.0", "math-verify>=0.9,<1", "wandb>=0.31,<1",
-                 "tensorboard>=2.21,<3", "ruff>=0.17,<0.18"],
+        "test": [
+            "pytest>=8,<10",
+            "torch==2.13.0",
+            "math-verify>=0.9,<1",
+            "wandb>=0.31,<1",
+            "tensorboard>=2.21,<3",
+            "ruff>=0.17,<0.18",
+        ],
         "tracking": ["wandb>=0.31,<1", "tensorboard>=2.21,<3"],
         # gcsfs: etils.epath (metrics, events, plots, export, orbax's folders) opens gs:// with it.
         "gcs": ["gcsfs>=2024.2"],

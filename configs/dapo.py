@@ -24,11 +24,17 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
     """The official 32B run (docs/dapo_spec.md section 8): 512 prompts x G=16, 16 updates per step."""
     c = ml_collections.ConfigDict()
     c.seed = 0
-    c.model = dict(path="/ckpt/Qwen2.5-32B", tokenizer_path="", dtype="bfloat16",
-                   param_dtype="float32", remat=True, remat_policy="nothing_saveable",
-                   attention_chunk=1024,  # a layer's scores at 20k tokens: 1024 x 20k, not 20k^2
-                   scan_layers=True,      # one compiled layer body: 64 layers compile as one
-                   logits_chunk=2048)     # LM head + log-softmax over 2048 x 152k, not 22k x 152k
+    c.model = dict(
+        path="/ckpt/Qwen2.5-32B",
+        tokenizer_path="",
+        dtype="bfloat16",
+        param_dtype="float32",
+        remat=True,
+        remat_policy="nothing_saveable",
+        attention_chunk=1024,  # a layer's scores at 20k tokens: 1024 x 20k, not 20k^2
+        scan_layers=True,  # one compiled layer body: 64 layers compile as one
+        logits_chunk=2048,
+    )  # LM head + log-softmax over 2048 x 152k, not 22k x 152k
     c.reference = dict(path="")  # β = 0: no reference model is loaded or run
     c.mesh = dict(data=1, fsdp=-1, tensor=8)  # v5p-128: 64 chips = fsdp 8 x tensor 8 (aot.py)
     c.data = dict(
@@ -36,17 +42,17 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
         eval_files=("/data/aime-2024.parquet",),
         prompt_template=common.DAPO_TEMPLATE,
         use_chat_template=True,
-        dedup=True,                      # DAPO-Math-17k repeats each prompt ~100 times
-        max_prompt_len=2048,             # truncated from the left
+        dedup=True,  # DAPO-Math-17k repeats each prompt ~100 times
+        max_prompt_len=2048,  # truncated from the left
         prompt_buckets=(512, 1024, 2048),
     )
     c.rollout = dict(
-        group_size=16,                   # G responses per prompt
+        group_size=16,  # G responses per prompt
         temperature=1.0,
         top_p=1.0,
         top_k=0,
-        max_new_tokens=20480,            # L_max
-        micro_batch_prompts=32,          # prompts decoded at once: 512 rows' bf16 KV cache
+        max_new_tokens=20480,  # L_max
+        micro_batch_prompts=32,  # prompts decoded at once: 512 rows' bf16 KV cache
     )
     c.reward = common.dapo_reward(overlong_buffer=4096)
     c.filter = common.dynamic_sampling(gen_batch_prompts=1536, max_num_gen_batches=10)
@@ -54,23 +60,34 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
     # Warm-up over 20 rollout steps (the paper); the recipe's script sets 10 and its scheduler
     # steps once per rollout step, the first at lr 0. Here lr rises linearly over the
     # 20 x 16 updates, the first of them already at lr / 320 (dapo_jax.run.learning_rate_schedule).
-    c.optim = dict(lr=1e-6, warmup_rollout_steps=20, schedule="constant", weight_decay=0.1,
-                   grad_clip=1.0, b1=0.9, b2=0.999, eps=1e-8)  # AdamW β1, β2, ε
+    c.optim = dict(
+        lr=1e-6,
+        warmup_rollout_steps=20,
+        schedule="constant",
+        weight_decay=0.1,
+        grad_clip=1.0,
+        b1=0.9,
+        b2=0.999,
+        eps=1e-8,
+    )  # AdamW β1, β2, ε
     c.train = dict(
         steps=500,
-        train_batch_prompts=512,         # P groups per step (after dynamic sampling)
-        mini_batch_prompts=32,           # 32 x 16 = 512 responses: 16 updates per step
-        micro_batch_size=16,             # responses per micro-batch: at 32, 0.5 GiB past v5p's HBM
-        length_bucket=2048,              # train on responses cut to a multiple of this length
-        max_consecutive_nonfinite=5,     # stop (with a checkpoint) after this many skipped updates
+        train_batch_prompts=512,  # P groups per step (after dynamic sampling)
+        mini_batch_prompts=32,  # 32 x 16 = 512 responses: 16 updates per step
+        micro_batch_size=16,  # responses per micro-batch: at 32, 0.5 GiB past v5p's HBM
+        length_bucket=2048,  # train on responses cut to a multiple of this length
+        max_consecutive_nonfinite=5,  # stop (with a checkpoint) after this many skipped updates
     )
     c.checkpoint = dict(every=10, keep=3, asynchronous=True)
-    c.eval = dict(every=20, samples=32, temperature=1.0, top_p=0.7, max_problems=0,
-                  batch_prompts=32, at_start=True)
+    c.eval = dict(
+        every=20, samples=32, temperature=1.0, top_p=0.7, max_problems=0, batch_prompts=32, at_start=True
+    )
     c.export = dict(dtype="bfloat16")
-    c.metrics = dict(writers="jsonl,tensorboard",  # add ",wandb" (pip install wandb)
-                     wandb_project="dapo-jax",
-                     aliases=False)  # wandb also under verl's recipe names (metrics.RECIPE_NAMES)
+    c.metrics = dict(
+        writers="jsonl,tensorboard",  # add ",wandb" (pip install wandb)
+        wandb_project="dapo-jax",
+        aliases=False,
+    )  # wandb also under verl's recipe names (metrics.RECIPE_NAMES)
     c.profile = dict(steps="")  # "a,b": a jax.profiler trace of those steps in <workdir>/profile
     return c
 
@@ -99,27 +116,35 @@ def tiny() -> ml_collections.ConfigDict:
     """CPU scale: the shipped tiny base model on the shipped synthetic task, a few minutes."""
     c = ml_collections.ConfigDict()
     c.seed = 0
-    c.model = dict(path=common.TINY_MODEL, tokenizer_path="", dtype="float32",
-                   param_dtype="float32", remat=False, remat_policy="nothing_saveable",
-                   attention_chunk=0, scan_layers=False, logits_chunk=0)
+    c.model = dict(
+        path=common.TINY_MODEL,
+        tokenizer_path="",
+        dtype="float32",
+        param_dtype="float32",
+        remat=False,
+        remat_policy="nothing_saveable",
+        attention_chunk=0,
+        scan_layers=False,
+        logits_chunk=0,
+    )
     c.reference = dict(path="")  # β = 0: no reference model is loaded or run
     c.mesh = dict(data=-1, fsdp=1, tensor=1)
     c.data = dict(
         train_files=(common.SYNTHETIC_TRAIN,),
         eval_files=(common.SYNTHETIC_TEST,),
-        prompt_template="{problem}",     # the tiny model was fine-tuned on bare problems
+        prompt_template="{problem}",  # the tiny model was fine-tuned on bare problems
         use_chat_template=True,
         dedup=True,
         max_prompt_len=48,
         prompt_buckets=(48,),
     )
     c.rollout = dict(
-        group_size=8,                    # G responses per prompt
+        group_size=8,  # G responses per prompt
         temperature=1.0,
         top_p=1.0,
         top_k=0,
-        max_new_tokens=96,               # L_max; worked solutions take up to ~75 tokens
-        micro_batch_prompts=0,           # the whole generation batch at once
+        max_new_tokens=96,  # L_max; worked solutions take up to ~75 tokens
+        micro_batch_prompts=0,  # the whole generation batch at once
     )
     c.reward = common.dapo_reward(overlong_buffer=16)
     c.filter = common.dynamic_sampling(gen_batch_prompts=64, max_num_gen_batches=4)
@@ -128,28 +153,38 @@ def tiny() -> ml_collections.ConfigDict:
     # moved nothing in 20-30 steps, 3e-4 lost accuracy; on the shipped model 1e-4 with 4 updates a
     # rollout batch (mini-batches of 8 prompts x G) took held-out accuracy from 0.32 to 0.48 in
     # 10 steps and 0.52 in 40.
-    c.optim = dict(lr=1e-4, warmup_rollout_steps=2, schedule="constant", weight_decay=0.1,
-                   grad_clip=1.0, b1=0.9, b2=0.999, eps=1e-8)  # AdamW β1, β2, ε
+    c.optim = dict(
+        lr=1e-4,
+        warmup_rollout_steps=2,
+        schedule="constant",
+        weight_decay=0.1,
+        grad_clip=1.0,
+        b1=0.9,
+        b2=0.999,
+        eps=1e-8,
+    )  # AdamW β1, β2, ε
     c.train = dict(
         steps=40,
-        train_batch_prompts=32,          # P groups per step (after dynamic sampling)
-        mini_batch_prompts=8,            # 8 x 8 = 64 responses: 4 updates per step
-        micro_batch_size=64,             # responses per gradient-accumulation micro-batch
-        length_bucket=16,                # train on responses cut to a multiple of this length
-        max_consecutive_nonfinite=5,     # stop (with a checkpoint) after this many skipped updates
+        train_batch_prompts=32,  # P groups per step (after dynamic sampling)
+        mini_batch_prompts=8,  # 8 x 8 = 64 responses: 4 updates per step
+        micro_batch_size=64,  # responses per gradient-accumulation micro-batch
+        length_bucket=16,  # train on responses cut to a multiple of this length
+        max_consecutive_nonfinite=5,  # stop (with a checkpoint) after this many skipped updates
     )
     c.checkpoint = dict(every=5, keep=3, asynchronous=True)
     # Held-out at T = 1, top_p = 1 (the paper validates at top_p 0.7): the policy as it samples,
     # so the demo's before and after measure what RL trains.
-    c.eval = dict(every=10, samples=4, temperature=1.0, top_p=1.0, max_problems=0,
-                  batch_prompts=125, at_start=True)
+    c.eval = dict(
+        every=10, samples=4, temperature=1.0, top_p=1.0, max_problems=0, batch_prompts=125, at_start=True
+    )
     c.export = dict(dtype="float32")
-    c.metrics = dict(writers="jsonl,tensorboard",  # add ",wandb" (pip install wandb)
-                     wandb_project="dapo-jax",
-                     aliases=False)  # wandb also under verl's recipe names (metrics.RECIPE_NAMES)
+    c.metrics = dict(
+        writers="jsonl,tensorboard",  # add ",wandb" (pip install wandb)
+        wandb_project="dapo-jax",
+        aliases=False,
+    )  # wandb also under verl's recipe names (metrics.RECIPE_NAMES)
     c.profile = dict(steps="")  # "a,b": a jax.profiler trace of those steps in <workdir>/profile
     return c
 
 
-VARIANTS = {"tiny": tiny, "qwen2_5_7b": qwen2_5_7b, "qwen2_5_32b": qwen2_5_32b,
-            "qwen3_8b": qwen3_8b}
+VARIANTS = {"tiny": tiny, "qwen2_5_7b": qwen2_5_7b, "qwen2_5_32b": qwen2_5_32b, "qwen3_8b": qwen3_8b}

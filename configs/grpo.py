@@ -26,11 +26,11 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
 
 def naive_grpo(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """A DAPO config turned into naive GRPO (the module docstring says which keys and why)."""
-    c.loss.eps_high = c.loss.eps_low        # symmetric clip
+    c.loss.eps_high = c.loss.eps_low  # symmetric clip
     c.loss.agg_mode = "seq-mean-token-mean"  # sample-level loss
     c.reward.overlong_penalty = False
     c.reward.overlong_filter = False
-    c.filter.enable = False                  # every group is trained on, as it comes
+    c.filter.enable = False  # every group is trained on, as it comes
     c.filter.gen_batch_prompts = c.train.train_batch_prompts
     c.filter.max_num_gen_batches = 1
     return c

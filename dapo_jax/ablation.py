@@ -51,9 +51,15 @@ def run_dir(workdir: str, row: str, seed: int) -> str:
     return os.path.join(workdir, row, f"seed{seed}")
 
 
-def run_study(config_file: str, scale: str, seeds: list[int], workdir: str,
-              rows: list[str] | None = None, quick: bool = False,
-              sft_control_runs: bool = True) -> None:
+def run_study(
+    config_file: str,
+    scale: str,
+    seeds: list[int],
+    workdir: str,
+    rows: list[str] | None = None,
+    quick: bool = False,
+    sft_control_runs: bool = True,
+) -> None:
     """Every (seed, row) run in turn, then the SFT control of each seed (module docstring)."""
     module = load_config_file(config_file)
     rows = list(rows or module.ROW_NAMES)
@@ -61,8 +67,14 @@ def run_study(config_file: str, scale: str, seeds: list[int], workdir: str,
     if unknown:
         raise ValueError(f"unknown ablation rows {unknown}; choose from {module.ROW_NAMES}")
     os.makedirs(workdir, exist_ok=True)
-    study = {"config_file": config_file, "scale": scale, "seeds": seeds, "rows": rows,
-             "quick": quick, "sft_control": sft_control_runs}
+    study = {
+        "config_file": config_file,
+        "scale": scale,
+        "seeds": seeds,
+        "rows": rows,
+        "quick": quick,
+        "sft_control": sft_control_runs,
+    }
     with open(os.path.join(workdir, STUDY_FILE), "w") as f:
         json.dump(study, f, indent=1)
     for seed in seeds:
@@ -93,18 +105,25 @@ def sft_control(c: ml_collections.ConfigDict, workdir: str, *, lr: float) -> dic
     try:
         examples = [ex for ex in run.train_examples if ex["solution"]]
         if not examples:
-            raise ValueError("the SFT control needs worked solutions (extra_info.solution) in "
-                             "the training data; these files have none")
+            raise ValueError(
+                "the SFT control needs worked solutions (extra_info.solution) in "
+                "the training data; these files have none"
+            )
         updates = c.train.steps * (c.train.train_batch_prompts // c.train.mini_batch_prompts)
         rows = c.train.mini_batch_prompts * c.rollout.group_size
         optimizer = train_step.make_optimizer(
-            optax.constant_schedule(lr), weight_decay=c.optim.weight_decay,
-            max_grad_norm=c.optim.grad_clip, b1=c.optim.b1, b2=c.optim.b2,
-            eps=c.optim.eps)
+            optax.constant_schedule(lr),
+            weight_decay=c.optim.weight_decay,
+            max_grad_norm=c.optim.grad_clip,
+            b1=c.optim.b1,
+            b2=c.optim.b2,
+            eps=c.optim.eps,
+        )
         params = hf_io.load_params(c.model.path, run.model, run.mesh)
         opt_state = optimizer.init(params)
-        solution_ids = run.tokenizer([ex["solution"] for ex in examples],
-                                     add_special_tokens=False)["input_ids"]
+        solution_ids = run.tokenizer([ex["solution"] for ex in examples], add_special_tokens=False)[
+            "input_ids"
+        ]
         seq_len = c.data.max_prompt_len + c.rollout.max_new_tokens
         step = sft.make_sft_step(run.model, optimizer)
         rng = np.random.default_rng(c.seed)
@@ -113,14 +132,20 @@ def sft_control(c: ml_collections.ConfigDict, workdir: str, *, lr: float) -> dic
         t0, losses = time.time(), []
         for _ in range(updates):
             chosen = rng.integers(0, len(examples), rows)
-            arrays = sft.sft_batch([examples[i]["prompt_ids"] for i in chosen],
-                                   [solution_ids[i] for i in chosen],
-                                   run.tokenizer.eos_token_id, run.tokenizer.pad_token_id,
-                                   seq_len)
+            arrays = sft.sft_batch(
+                [examples[i]["prompt_ids"] for i in chosen],
+                [solution_ids[i] for i in chosen],
+                run.tokenizer.eos_token_id,
+                run.tokenizer.pad_token_id,
+                seq_len,
+            )
             params, opt_state, loss = step(params, opt_state, *arrays)
             losses.append(loss)
-        last = {"sft/loss": float(np.mean(jax.device_get(losses[-10:]))),
-                "sft/updates": updates, "timing/train_s": time.time() - t0}
+        last = {
+            "sft/loss": float(np.mean(jax.device_get(losses[-10:]))),
+            "sft/updates": updates,
+            "timing/train_s": time.time() - t0,
+        }
         last.update(train.evaluate(run, params, c.train.steps))
         last["sft/finished"] = 1
         writer.write(c.train.steps, last)
@@ -133,8 +158,7 @@ def sft_control(c: ml_collections.ConfigDict, workdir: str, *, lr: float) -> dic
 def _finished(workdir: str, steps: int) -> bool:
     """Whether the run in `workdir` has logged its last step (and exported its model)."""
     records = _records(workdir)
-    return bool(records) and records[-1]["step"] >= steps and os.path.isdir(
-        os.path.join(workdir, "export"))
+    return bool(records) and records[-1]["step"] >= steps and os.path.isdir(os.path.join(workdir, "export"))
 
 
 def _records(workdir: str) -> list[dict]:
@@ -143,6 +167,7 @@ def _records(workdir: str) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- the report
+
 
 def _avg_key(records: list[dict]) -> str | None:
     return next((k for r in records for k in r if k.startswith("eval/avg@")), None)
@@ -155,8 +180,9 @@ def _curve(records: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
 
 def _generated(records: list[dict], group_size: int) -> np.ndarray:
     """Responses generated up to and including each record's step (prompts consumed x G)."""
-    return np.cumsum([r.get("dynamic_sampling/prompts_consumed", 0) * group_size
-                      for r in records], dtype=np.int64)
+    return np.cumsum(
+        [r.get("dynamic_sampling/prompts_consumed", 0) * group_size for r in records], dtype=np.int64
+    )
 
 
 def run_summary(records: list[dict], group_size: int) -> dict:
@@ -166,10 +192,11 @@ def run_summary(records: list[dict], group_size: int) -> dict:
     key = _avg_key(records)
     evals = [r for r in records if key and key in r]
     steps = [r for r in records if "before_filter/acc_mean" in r]
-    mean = lambda k, rs: float(np.mean([r[k] for r in rs if k in r])) if any(
-        k in r for r in rs) else float("nan")
+    mean = lambda k, rs: (
+        float(np.mean([r[k] for r in rs if k in r])) if any(k in r for r in rs) else float("nan")
+    )
     generated = _generated(records, group_size)
-    last_quarter = steps[len(steps) - max(len(steps) // 4, 1):]
+    last_quarter = steps[len(steps) - max(len(steps) // 4, 1) :]
     return {
         "before": evals[0][key] if evals else float("nan"),
         "after": evals[-1][key] if evals else float("nan"),
@@ -180,8 +207,7 @@ def run_summary(records: list[dict], group_size: int) -> dict:
         "entropy": mean("actor/entropy", last_quarter),
         "truncated": mean("before_filter/truncated_mean", steps),
         "length": mean("before_filter/length_mean", last_quarter),
-        "evals": [(r["step"], r[key], int(g)) for r, g in zip(records, generated)
-                  if key and key in r],
+        "evals": [(r["step"], r[key], int(g)) for r, g in zip(records, generated) if key and key in r],
     }
 
 
@@ -196,8 +222,10 @@ def _fmt(values: list[float], digits: int = 3) -> str:
         return "-"
     if len(values) == 1:
         return f"{values[0]:.{digits}f}"
-    return (f"{np.mean(values):.{digits}f} ± {np.std(values, ddof=1):.{digits}f} "
-            f"[{min(values):.{digits}f}, {max(values):.{digits}f}]")
+    return (
+        f"{np.mean(values):.{digits}f} ± {np.std(values, ddof=1):.{digits}f} "
+        f"[{min(values):.{digits}f}, {max(values):.{digits}f}]"
+    )
 
 
 def write_report(workdir: str, out_dir: str) -> str:
@@ -208,27 +236,31 @@ def write_report(workdir: str, out_dir: str) -> str:
     rows = list(module.ROW_NAMES)  # rows the study did not run are listed as such
     names = rows + ([SFT_CONTROL] if study["sft_control"] else [])
     group_size = row_config(module, rows[-1], study["scale"], 0, study["quick"]).rollout.group_size
-    runs = {name: {s: _records(run_dir(workdir, name, s)) for s in study["seeds"]}
-            for name in names}
-    summaries = {name: [run_summary(r, group_size) for r in by_seed.values() if r]
-                 for name, by_seed in runs.items()}
+    runs = {name: {s: _records(run_dir(workdir, name, s)) for s in study["seeds"]} for name in names}
+    summaries = {
+        name: [run_summary(r, group_size) for r in by_seed.values() if r] for name, by_seed in runs.items()
+    }
     os.makedirs(out_dir, exist_ok=True)
     base = [s["before"] for ss in summaries.values() for s in ss]
     dapo_after = [s["after"] for s in summaries.get(rows[-1], [])]
     threshold = (np.nanmean(base) + np.nanmean(dapo_after)) / 2 if base and dapo_after else None
     lines = [
         f"# Ablation study: scale `{study['scale']}`, seeds {study['seeds']}"
-        + (" (quick)" if study["quick"] else ""), "",
+        + (" (quick)" if study["quick"] else ""),
+        "",
         f"Command: `python -m dapo_jax.ablation run --scale={study['scale']} "
-        f"--seeds={len(study['seeds'])} --workdir={workdir}`" + (" --quick" if study["quick"]
-                                                                 else ""),
+        f"--seeds={len(study['seeds'])} --workdir={workdir}`" + (" --quick" if study["quick"] else ""),
         "",
         "Held-out accuracy: mean ± std over seeds [min, max]. Base model before training: "
         f"{_fmt(base)}. Clip fractions are token means over every update; entropy and length over"
         " the last quarter of steps; truncated: the fraction of all generated responses."
-        + (f" Steps (responses generated) to reach {threshold:.3f}, halfway from the base to the "
-           "last row's final accuracy: first evaluation at or above it, per seed."
-           if threshold is not None else ""), "",
+        + (
+            f" Steps (responses generated) to reach {threshold:.3f}, halfway from the base to the "
+            "last row's final accuracy: first evaluation at or above it, per seed."
+            if threshold is not None
+            else ""
+        ),
+        "",
         "| row | paper AIME24 | held-out after | gain | responses generated | clip+ | clip- "
         "| dual | entropy | length | truncated | steps (responses) to threshold |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -239,15 +271,26 @@ def write_report(workdir: str, out_dir: str) -> str:
             lines.append(f"| {name} | {module.PAPER_AIME24.get(name, '-')} | not run |" + " |" * 9)
             continue
         reach = [_first_reaching(s["evals"], threshold) for s in ss] if threshold else []
-        lines.append("| " + " | ".join([
-            name, str(module.PAPER_AIME24.get(name, "-")), _fmt([s["after"] for s in ss]),
-            _fmt([s["after"] - s["before"] for s in ss]),
-            f"{np.mean([s['generated'] for s in ss]):,.0f}",
-            _fmt([s["clip_upper"] for s in ss], 4), _fmt([s["clip_lower"] for s in ss], 4),
-            _fmt([s["clip_dual"] for s in ss], 4), _fmt([s["entropy"] for s in ss], 4),
-            _fmt([s["length"] for s in ss], 1), _fmt([s["truncated"] for s in ss], 4),
-            ", ".join("never" if r is None else f"{r[0]} ({r[1]:,})" for r in reach) or "-",
-        ]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    name,
+                    str(module.PAPER_AIME24.get(name, "-")),
+                    _fmt([s["after"] for s in ss]),
+                    _fmt([s["after"] - s["before"] for s in ss]),
+                    f"{np.mean([s['generated'] for s in ss]):,.0f}",
+                    _fmt([s["clip_upper"] for s in ss], 4),
+                    _fmt([s["clip_lower"] for s in ss], 4),
+                    _fmt([s["clip_dual"] for s in ss], 4),
+                    _fmt([s["entropy"] for s in ss], 4),
+                    _fmt([s["length"] for s in ss], 1),
+                    _fmt([s["truncated"] for s in ss], 4),
+                    ", ".join("never" if r is None else f"{r[0]} ({r[1]:,})" for r in reach) or "-",
+                ]
+            )
+            + " |"
+        )
     table = os.path.join(out_dir, "table.md")
     with open(table, "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -258,30 +301,48 @@ def write_report(workdir: str, out_dir: str) -> str:
 
 # (file, title, [(panel title, metric key, x axis: "step" or "generated")], rows compared)
 FIGURES = (
-    ("clip_higher.png", "Clip-Higher: entropy and the upper clip fraction",
-     [("entropy (nats/token)", "actor/entropy", "step"),
-      ("upper clip fraction", "actor/pg_clipfrac_upper", "step")],
-     ("overlong_filter", "clip_higher")),
-    ("token_level_loss.png", "Token-level loss: response length and entropy",
-     [("mean response length", "before_filter/length_mean", "step"),
-      ("entropy (nats/token)", "actor/entropy", "step")],
-     ("soft_overlong", "token_level_loss")),
-    ("dynamic_sampling.png", "Dynamic sampling: held-out accuracy against steps and samples",
-     [("held-out accuracy", "eval/avg@", "step"),
-      ("held-out accuracy", "eval/avg@", "generated")],
-     ("token_level_loss", "dynamic_sampling")),
-    ("dapo_dynamics.png", "DAPO: length, reward, entropy and mean probability",
-     [("mean response length", "before_filter/length_mean", "step"),
-      ("mean reward", "data/reward_mean", "step"),
-      ("entropy (nats/token)", "actor/entropy", "step"),
-      ("mean token probability", "actor/token_prob", "step")],
-     ("dynamic_sampling",)),
+    (
+        "clip_higher.png",
+        "Clip-Higher: entropy and the upper clip fraction",
+        [
+            ("entropy (nats/token)", "actor/entropy", "step"),
+            ("upper clip fraction", "actor/pg_clipfrac_upper", "step"),
+        ],
+        ("overlong_filter", "clip_higher"),
+    ),
+    (
+        "token_level_loss.png",
+        "Token-level loss: response length and entropy",
+        [
+            ("mean response length", "before_filter/length_mean", "step"),
+            ("entropy (nats/token)", "actor/entropy", "step"),
+        ],
+        ("soft_overlong", "token_level_loss"),
+    ),
+    (
+        "dynamic_sampling.png",
+        "Dynamic sampling: held-out accuracy against steps and samples",
+        [("held-out accuracy", "eval/avg@", "step"), ("held-out accuracy", "eval/avg@", "generated")],
+        ("token_level_loss", "dynamic_sampling"),
+    ),
+    (
+        "dapo_dynamics.png",
+        "DAPO: length, reward, entropy and mean probability",
+        [
+            ("mean response length", "before_filter/length_mean", "step"),
+            ("mean reward", "data/reward_mean", "step"),
+            ("entropy (nats/token)", "actor/entropy", "step"),
+            ("mean token probability", "actor/token_prob", "step"),
+        ],
+        ("dynamic_sampling",),
+    ),
 )
 
 
 def _plot(figure, runs: dict, group_size: int, out_dir: str) -> None:
     """One figure: each panel a metric of the compared rows, the mean over seeds and its range."""
     import matplotlib  # noqa: PLC0415 - plotting is the report's business only
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
@@ -296,8 +357,7 @@ def _plot(figure, runs: dict, group_size: int, out_dir: str) -> None:
                 k = _avg_key(records) if key.endswith("@") else key
                 steps, values = _curve(records, k) if k else (np.zeros(0), np.zeros(0))
                 if x_axis == "generated":
-                    generated = dict(zip([r["step"] for r in records],
-                                         _generated(records, group_size)))
+                    generated = dict(zip([r["step"] for r in records], _generated(records, group_size)))
                     steps = np.array([generated[s] for s in steps])
                 curves.append((steps, values))
             if not curves:
@@ -324,8 +384,7 @@ def main(argv=None):
     run_p.add_argument("--config_file", default="configs/ablation.py")
     run_p.add_argument("--scale", default="tiny", help="a variant of configs/dapo.py")
     run_p.add_argument("--seeds", type=int, default=3, help="seeds 0 .. N-1")
-    run_p.add_argument("--seed_list", default=None,
-                       help="explicit seeds, e.g. 3,4 (overrides --seeds)")
+    run_p.add_argument("--seed_list", default=None, help="explicit seeds, e.g. 3,4 (overrides --seeds)")
     run_p.add_argument("--rows", default=None, help="comma-separated rows (default: all)")
     run_p.add_argument("--workdir", required=True)
     run_p.add_argument("--quick", action="store_true", help="the file's QUICK overrides")
@@ -335,11 +394,16 @@ def main(argv=None):
     report_p.add_argument("--out", default=None, help="default: WORKDIR/report")
     args = parser.parse_args(argv)
     if args.command == "run":
-        seeds = ([int(s) for s in args.seed_list.split(",")] if args.seed_list
-                 else list(range(args.seeds)))
-        run_study(args.config_file, args.scale, seeds, args.workdir,
-                  args.rows.split(",") if args.rows else None, args.quick,
-                  not args.no_sft_control)
+        seeds = [int(s) for s in args.seed_list.split(",")] if args.seed_list else list(range(args.seeds))
+        run_study(
+            args.config_file,
+            args.scale,
+            seeds,
+            args.workdir,
+            args.rows.split(",") if args.rows else None,
+            args.quick,
+            not args.no_sft_control,
+        )
     else:
         print(write_report(args.workdir, args.out or os.path.join(args.workdir, "report")))
 

@@ -37,14 +37,6 @@ from ml_collections import config_flags
 from dapo_jax import hf_io, model, run, sampler, sharding, train_step
 from dapo_jax.errors import ConfigError
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "configs/FILE.py:VARIANT",
-                                          lock_config=False)
-_TOPOLOGY = flags.DEFINE_string("topology", "v5p-128", "v5p-N (N TensorCores), v6e-N or "
-                                "v5e-N (N chips), or cpu:N (N host devices, no libtpu)")
-_HBM = flags.DEFINE_float("hbm_gib", None, "per-chip memory to check against (default: the chip's)")
-_PROGRAMS = flags.DEFINE_list("programs", "train,logprobs,prefill,rollout,decode",
-                              "which programs to compile")
-
 GIB = 2**30
 
 
@@ -54,25 +46,59 @@ class Chip(NamedTuple):
     hbm_gbps: float
 
 
-CHIPS = {"v5p": Chip(95, 459, 2765), "v6e": Chip(32, 918, 1640), "v5e": Chip(16, 197, 819),
-         "cpu": Chip(16, 1, 50)}
+CHIPS = {
+    "v5p": Chip(95, 459, 2765),
+    "v6e": Chip(32, 918, 1640),
+    "v5e": Chip(16, 197, 819),
+    "cpu": Chip(16, 1, 50),
+}
 
 # config.json of the models the shipped configs name, for when the checkpoint is not on this
 # machine (a model folder's own config.json wins). Values from the models' Hub config files.
-_QWEN = dict(hidden_act="silu", rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False,
-             max_position_embeddings=131072)
+_QWEN = dict(
+    hidden_act="silu",
+    rms_norm_eps=1e-6,
+    rope_theta=1e6,
+    tie_word_embeddings=False,
+    max_position_embeddings=131072,
+)
 KNOWN_MODELS = {
-    "Qwen2.5-32B": dict(_QWEN, architectures=["Qwen2ForCausalLM"], model_type="qwen2",
-                        vocab_size=152064, hidden_size=5120, intermediate_size=27648,
-                        num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
-                        rms_norm_eps=1e-5),
-    "Qwen2.5-7B": dict(_QWEN, architectures=["Qwen2ForCausalLM"], model_type="qwen2",
-                       vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4),
-    "Qwen3-8B-Base": dict(_QWEN, architectures=["Qwen3ForCausalLM"], model_type="qwen3",
-                          vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                          num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                          head_dim=128, max_position_embeddings=32768),
+    "Qwen2.5-32B": dict(
+        _QWEN,
+        architectures=["Qwen2ForCausalLM"],
+        model_type="qwen2",
+        vocab_size=152064,
+        hidden_size=5120,
+        intermediate_size=27648,
+        num_hidden_layers=64,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        rms_norm_eps=1e-5,
+    ),
+    "Qwen2.5-7B": dict(
+        _QWEN,
+        architectures=["Qwen2ForCausalLM"],
+        model_type="qwen2",
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+    ),
+    "Qwen3-8B-Base": dict(
+        _QWEN,
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=32768,
+    ),
 }
 
 
@@ -86,20 +112,29 @@ def topology_devices(name: str):
     if kind == "cpu":
         devices = jax.devices("cpu")
         if len(devices) < n:
-            raise ConfigError(f"--topology {name}: {len(devices)} host devices; run with "
-                              f"XLA_FLAGS=--xla_force_host_platform_device_count={n}")
+            raise ConfigError(
+                f"--topology {name}: {len(devices)} host devices; run with "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={n}"
+            )
         return kind, devices[:n]
     chips = n // 2 if kind == "v5p" else n
     shape = _torus(chips, 3 if kind == "v5p" else 2, name)
     from jax.experimental import topologies  # noqa: PLC0415 - needs libtpu only here
+
     try:
         topo = topologies.get_topology_desc(
-            platform="tpu", topology_name=f"{kind}:{'x'.join(map(str, shape))}",
-            chip_config_name="default", chips_per_host_bounds=(2, 2, 1), num_slices=1)
+            platform="tpu",
+            topology_name=f"{kind}:{'x'.join(map(str, shape))}",
+            chip_config_name="default",
+            chips_per_host_bounds=(2, 2, 1),
+            num_slices=1,
+        )
     except Exception as e:  # noqa: BLE001 - no libtpu, or a shape libtpu does not know
-        raise ConfigError(f"--topology {name}: no abstract TPU devices ({type(e).__name__}: "
-                          f"{str(e)[:160]}); install the tpu extra (jax[tpu]) or use "
-                          "cpu:N") from None
+        raise ConfigError(
+            f"--topology {name}: no abstract TPU devices ({type(e).__name__}: "
+            f"{str(e)[:160]}); install the tpu extra (jax[tpu]) or use "
+            "cpu:N"
+        ) from None
     return kind, topo.devices
 
 
@@ -122,8 +157,10 @@ def model_config(c) -> model.ModelConfig:
     elif os.path.basename(c.model.path.rstrip("/")) in KNOWN_MODELS:
         hf = KNOWN_MODELS[os.path.basename(c.model.path.rstrip("/"))]
     else:
-        raise ConfigError(f"model.path {c.model.path!r} has no config.json here and is not one "
-                          f"of {sorted(KNOWN_MODELS)}: copy its config.json there")
+        raise ConfigError(
+            f"model.path {c.model.path!r} has no config.json here and is not one "
+            f"of {sorted(KNOWN_MODELS)}: copy its config.json there"
+        )
     return hf_io.config_from_hf(hf, source=path, **run.model_numerics(c))
 
 
@@ -143,14 +180,19 @@ def run_shapes(c) -> Shapes:
     g, t = c.rollout.group_size, c.train
     bucket = t.length_bucket
     length = -(-(max(c.data.prompt_buckets) + c.rollout.max_new_tokens) // bucket) * bucket
-    return Shapes(t.mini_batch_prompts * g, t.train_batch_prompts * g, length,
-                  c.rollout.micro_batch_prompts or c.filter.gen_batch_prompts,
-                  max(c.data.prompt_buckets), g, c.rollout.max_new_tokens)
+    return Shapes(
+        t.mini_batch_prompts * g,
+        t.train_batch_prompts * g,
+        length,
+        c.rollout.micro_batch_prompts or c.filter.gen_batch_prompts,
+        max(c.data.prompt_buckets),
+        g,
+        c.rollout.max_new_tokens,
+    )
 
 
 def _abstract(tree, shardings):
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        tree, shardings)
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
 
 
 def _rows(mesh, shape, dtype):
@@ -160,28 +202,35 @@ def _rows(mesh, shape, dtype):
 def model_flops(cfg: model.ModelConfig, tokens: int, context: float) -> float:
     """Forward FLOPs of `tokens` tokens each attending over `context` keys: 2 per weight
     (embedding lookup excluded) plus q.k and p.v, 4 x heads x head_dim per key per layer."""
-    weights = cfg.num_params() - cfg.vocab_size * cfg.hidden_size * (
-        0 if cfg.tie_word_embeddings else 1)
+    weights = cfg.num_params() - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_word_embeddings else 1)
     attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context
     return tokens * (2 * weights + attention)
 
 
-def _report(name, compiled, chip: Chip, hbm_gib: float, flops: float, hbm_bytes: float,
-            seconds: float):
+def _report(name, compiled, chip: Chip, hbm_gib: float, flops: float, hbm_bytes: float, seconds: float):
     m = compiled.memory_analysis()
-    total = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-             - m.alias_size_in_bytes)
-    row = dict(program=name, args_gib=m.argument_size_in_bytes / GIB,
-               out_gib=m.output_size_in_bytes / GIB, temp_gib=m.temp_size_in_bytes / GIB,
-               alias_gib=m.alias_size_in_bytes / GIB, total_gib=total / GIB, hbm_gib=hbm_gib,
-               tflops_per_chip=flops / 1e12, flop_s=flops / (chip.peak_tflops * 1e12),
-               hbm_s=hbm_bytes / (chip.hbm_gbps * 1e9), compile_s=seconds)
-    print(f"{name:9s} args {row['args_gib']:7.2f}  out {row['out_gib']:7.2f}  temp "
-          f"{row['temp_gib']:7.2f}  alias {row['alias_gib']:7.2f}  total {row['total_gib']:7.2f} "
-          f"/ {hbm_gib:g} GiB  {row['tflops_per_chip']:10.1f} TFLOP/chip  "
-          f"{row['flop_s']:8.2f} s at peak  {row['hbm_s']:7.3f} s HBM  "
-          f"(compiled in {seconds:.0f} s)",
-          flush=True)
+    total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+    row = dict(
+        program=name,
+        args_gib=m.argument_size_in_bytes / GIB,
+        out_gib=m.output_size_in_bytes / GIB,
+        temp_gib=m.temp_size_in_bytes / GIB,
+        alias_gib=m.alias_size_in_bytes / GIB,
+        total_gib=total / GIB,
+        hbm_gib=hbm_gib,
+        tflops_per_chip=flops / 1e12,
+        flop_s=flops / (chip.peak_tflops * 1e12),
+        hbm_s=hbm_bytes / (chip.hbm_gbps * 1e9),
+        compile_s=seconds,
+    )
+    print(
+        f"{name:9s} args {row['args_gib']:7.2f}  out {row['out_gib']:7.2f}  temp "
+        f"{row['temp_gib']:7.2f}  alias {row['alias_gib']:7.2f}  total {row['total_gib']:7.2f} "
+        f"/ {hbm_gib:g} GiB  {row['tflops_per_chip']:10.1f} TFLOP/chip  "
+        f"{row['flop_s']:8.2f} s at peak  {row['hbm_s']:7.3f} s HBM  "
+        f"(compiled in {seconds:.0f} s)",
+        flush=True,
+    )
     return row
 
 
@@ -193,16 +242,23 @@ def _compile(lowered_fn):
 
 def _train(m, c, mesh, shapes: Shapes):
     optimizer, schedule = run.make_optimizer(c)
-    step = train_step.make_train_step(m, optimizer, schedule, run.loss_config(c), mesh,
-                                      shapes.train_rows // c.train.micro_batch_size)
+    step = train_step.make_train_step(
+        m, optimizer, schedule, run.loss_config(c), mesh, shapes.train_rows // c.train.micro_batch_size
+    )
     abstract = jax.eval_shape(
         lambda p: train_step.TrainState(jnp.zeros((), jnp.int32), p, optimizer.init(p)),
-        sharding.abstract_params(m))
+        sharding.abstract_params(m),
+    )
     state = _abstract(abstract, train_step.state_shardings(m, optimizer, mesh))
     bt = (shapes.train_rows, shapes.length)
-    batch = train_step.Batch(_rows(mesh, bt, jnp.int32), _rows(mesh, bt, bool),
-                             _rows(mesh, bt, bool), _rows(mesh, bt[:1], jnp.float32),
-                             _rows(mesh, bt, jnp.float32), None)
+    batch = train_step.Batch(
+        _rows(mesh, bt, jnp.int32),
+        _rows(mesh, bt, bool),
+        _rows(mesh, bt, bool),
+        _rows(mesh, bt[:1], jnp.float32),
+        _rows(mesh, bt, jnp.float32),
+        None,
+    )
     passes = 4 if m.config.remat else 3  # forward, backward (2x), and remat's second forward
     flops = passes * model_flops(m.config, math.prod(bt), shapes.length / 2)
     return lambda: step.lower(state, batch), flops
@@ -216,25 +272,31 @@ def _params(m, mesh, dtype=None):
 
 
 def _logprobs(m, c, mesh, shapes: Shapes):
-    fn = train_step.make_compute_logprobs(m, mesh, c.rollout.temperature,
-                                          shapes.logprob_rows // c.train.micro_batch_size)
+    fn = train_step.make_compute_logprobs(
+        m, mesh, c.rollout.temperature, shapes.logprob_rows // c.train.micro_batch_size
+    )
     bt = (shapes.logprob_rows, shapes.length)
     flops = model_flops(m.config, math.prod(bt), shapes.length / 2)
-    return (lambda: fn.lower(_params(m, mesh), _rows(mesh, bt, jnp.int32),
-                             _rows(mesh, bt, bool)), flops)
+    return (lambda: fn.lower(_params(m, mesh), _rows(mesh, bt, jnp.int32), _rows(mesh, bt, bool)), flops)
 
 
 def _sampling(c, shapes: Shapes) -> sampler.SamplingConfig:
-    return sampler.SamplingConfig(max_new_tokens=shapes.new_tokens, eos_ids=(0,), pad_id=0,
-                                  prompt_buckets=tuple(c.data.prompt_buckets),
-                                  temperature=c.rollout.temperature, top_p=c.rollout.top_p,
-                                  top_k=c.rollout.top_k)
+    return sampler.SamplingConfig(
+        max_new_tokens=shapes.new_tokens,
+        eos_ids=(0,),
+        pad_id=0,
+        prompt_buckets=tuple(c.data.prompt_buckets),
+        temperature=c.rollout.temperature,
+        top_p=c.rollout.top_p,
+        top_k=c.rollout.top_k,
+    )
 
 
 def _on_mesh(mesh, fn):
     def lower():
         with sharding.activate(mesh):
             return fn()
+
     return lower
 
 
@@ -242,24 +304,37 @@ def _prefill(m, c, mesh, shapes: Shapes):
     p, l = shapes.prompts, shapes.prompt_len
     slots = sampler.decode_phases(_sampling(c, shapes), l)[0][1]
     rep = sharding.replicated(mesh)
-    fn = jax.jit(lambda prm, t, k: sampler._constrain_caches(sampler.prefill(m, prm, t, k, slots)),
-                 in_shardings=(sharding.param_shardings(m, mesh), rep, rep))
-    args = (_params(m, mesh), jax.ShapeDtypeStruct((p, l - 1), jnp.int32),
-            jax.ShapeDtypeStruct((p, l - 1), bool))
+    fn = jax.jit(
+        lambda prm, t, k: sampler._constrain_caches(sampler.prefill(m, prm, t, k, slots)),
+        in_shardings=(sharding.param_shardings(m, mesh), rep, rep),
+    )
+    args = (
+        _params(m, mesh),
+        jax.ShapeDtypeStruct((p, l - 1), jnp.int32),
+        jax.ShapeDtypeStruct((p, l - 1), bool),
+    )
     return _on_mesh(mesh, lambda: fn.lower(*args)), model_flops(m.config, p * l, l / 2)
 
 
 def _rollout(m, c, mesh, shapes: Shapes):
     p, l, g, n = shapes.prompts, shapes.prompt_len, shapes.group, shapes.new_tokens
     rep = sharding.replicated(mesh)
-    out = {k: sharding.batch_sharding(mesh, 1 if k in ("length", "truncated") else 2)
-           for k in ("tokens", "logp", "mask", "length", "truncated")}
-    fn = jax.jit(functools.partial(sampler.rollout, m, _sampling(c, shapes), g),
-                 in_shardings=(sharding.param_shardings(m, mesh), rep, rep, rep, rep),
-                 out_shardings=out)
-    args = (_params(m, mesh), jax.ShapeDtypeStruct((p, l), jnp.int32),
-            jax.ShapeDtypeStruct((p, l), bool), jax.ShapeDtypeStruct((p,), jnp.int32),
-            jax.eval_shape(lambda: jax.random.key(0)))
+    out = {
+        k: sharding.batch_sharding(mesh, 1 if k in ("length", "truncated") else 2)
+        for k in ("tokens", "logp", "mask", "length", "truncated")
+    }
+    fn = jax.jit(
+        functools.partial(sampler.rollout, m, _sampling(c, shapes), g),
+        in_shardings=(sharding.param_shardings(m, mesh), rep, rep, rep, rep),
+        out_shardings=out,
+    )
+    args = (
+        _params(m, mesh),
+        jax.ShapeDtypeStruct((p, l), jnp.int32),
+        jax.ShapeDtypeStruct((p, l), bool),
+        jax.ShapeDtypeStruct((p,), jnp.int32),
+        jax.eval_shape(lambda: jax.random.key(0)),
+    )
     flops = model_flops(m.config, p * l, l / 2) + model_flops(m.config, p * g * n, l + n / 2)
     return _on_mesh(mesh, lambda: fn.lower(*args)), flops
 
@@ -273,21 +348,25 @@ def _decode_step_bytes(cfg: model.ModelConfig, mesh, rows: int, slots: int, dtyp
     step at 1 and 2 scanned layers, extrapolated linearly to `cfg.num_layers`."""
     measured = []
     for layers in (1, 2):
-        m = model.Transformer(dataclasses.replace(cfg, num_layers=layers, scan_layers=True,
-                                                  remat=False))
+        m = model.Transformer(dataclasses.replace(cfg, num_layers=layers, scan_layers=True, remat=False))
         rep = sharding.replicated(mesh)
-        cache_sh = jax.tree.map(lambda axes: sharding.logical_to_sharding(
-            jax.sharding.PartitionSpec("layers", *axes), mesh), sampler._CACHE_AXES,
-            is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(a, (str, type(None)))
-                                                           for a in x))
-        caches = _abstract(jax.eval_shape(lambda m=m: model.init_cache(m.config, rows, slots)),
-                           cache_sh)
-        fn = jax.jit(lambda p, t, pos, a, kv, m=m: sampler.decode_step(m, p, t, pos, a, kv,
-                                                                        slots - 1),
-                     in_shardings=(sharding.param_shardings(m, mesh), rep, rep, rep, cache_sh))
-        args = (_params(m, mesh, dtype), jax.ShapeDtypeStruct((rows,), jnp.int32),
-                jax.ShapeDtypeStruct((rows,), jnp.int32),
-                jax.ShapeDtypeStruct((rows, slots), bool), caches)
+        cache_sh = jax.tree.map(
+            lambda axes: sharding.logical_to_sharding(jax.sharding.PartitionSpec("layers", *axes), mesh),
+            sampler._CACHE_AXES,
+            is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x),
+        )
+        caches = _abstract(jax.eval_shape(lambda m=m: model.init_cache(m.config, rows, slots)), cache_sh)
+        fn = jax.jit(
+            lambda p, t, pos, a, kv, m=m: sampler.decode_step(m, p, t, pos, a, kv, slots - 1),
+            in_shardings=(sharding.param_shardings(m, mesh), rep, rep, rep, cache_sh),
+        )
+        args = (
+            _params(m, mesh, dtype),
+            jax.ShapeDtypeStruct((rows,), jnp.int32),
+            jax.ShapeDtypeStruct((rows,), jnp.int32),
+            jax.ShapeDtypeStruct((rows, slots), bool),
+            caches,
+        )
         with sharding.activate(mesh):
             cost = fn.lower(*args).compile().cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
@@ -308,24 +387,37 @@ def decode_layouts(cfg, c, mesh, devices, shapes: Shapes, chip: Chip) -> list[di
     weights = cfg.num_params()
     out = []
     for name, m, dtype, gathered in (
-            ("trainer FSDP", mesh, cfg.weight_dtype, weights * cfg.weight_dtype.itemsize / tp),
-            ("rollout TP", tp_mesh, jnp.bfloat16, 0.0)):
+        ("trainer FSDP", mesh, cfg.weight_dtype, weights * cfg.weight_dtype.itemsize / tp),
+        ("rollout TP", tp_mesh, jnp.bfloat16, 0.0),
+    ):
         step = _decode_step_bytes(cfg, m, rows, slots, dtype)
         fsdp = m.shape["fsdp"]
-        out.append(dict(layout=name, mesh=dict(m.shape), weights_per_chip_gib=(
-            weights * np.dtype(dtype).itemsize / (tp * fsdp) / GIB),
-            step_hbm_gib=step / GIB, hbm_bytes_per_token=step * n / rows,
-            ici_gather_gib_per_step=gathered * (fsdp - 1) / fsdp / GIB,
-            step_hbm_s=step / (chip.hbm_gbps * 1e9),
-            decode_hbm_s=shapes.new_tokens * step / (chip.hbm_gbps * 1e9)))
-    print(f"KV cache (bf16) of {rows} rows x {slots} slots: {kv_bytes / GIB:.1f} GiB, "
-          f"{kv_bytes / n / GIB:.2f} GiB per chip", flush=True)
+        out.append(
+            dict(
+                layout=name,
+                mesh=dict(m.shape),
+                weights_per_chip_gib=(weights * np.dtype(dtype).itemsize / (tp * fsdp) / GIB),
+                step_hbm_gib=step / GIB,
+                hbm_bytes_per_token=step * n / rows,
+                ici_gather_gib_per_step=gathered * (fsdp - 1) / fsdp / GIB,
+                step_hbm_s=step / (chip.hbm_gbps * 1e9),
+                decode_hbm_s=shapes.new_tokens * step / (chip.hbm_gbps * 1e9),
+            )
+        )
+    print(
+        f"KV cache (bf16) of {rows} rows x {slots} slots: {kv_bytes / GIB:.1f} GiB, "
+        f"{kv_bytes / n / GIB:.2f} GiB per chip",
+        flush=True,
+    )
     for r in out:
-        print(f"decode {r['layout']:12s} mesh {r['mesh']}  weights {r['weights_per_chip_gib']:.2f}"
-              f" GiB/chip  HBM {r['step_hbm_gib']:.2f} GiB/chip/step ({r['step_hbm_s'] * 1e3:.1f}"
-              f" ms, {r['decode_hbm_s']:.0f} s for N steps)  "
-              f"{r['hbm_bytes_per_token'] / 2**20:.1f} MiB HBM per decoded token  "
-              f"all-gather {r['ici_gather_gib_per_step']:.2f} GiB/chip/step", flush=True)
+        print(
+            f"decode {r['layout']:12s} mesh {r['mesh']}  weights {r['weights_per_chip_gib']:.2f}"
+            f" GiB/chip  HBM {r['step_hbm_gib']:.2f} GiB/chip/step ({r['step_hbm_s'] * 1e3:.1f}"
+            f" ms, {r['decode_hbm_s']:.0f} s for N steps)  "
+            f"{r['hbm_bytes_per_token'] / 2**20:.1f} MiB HBM per decoded token  "
+            f"all-gather {r['ici_gather_gib_per_step']:.2f} GiB/chip/step",
+            flush=True,
+        )
     cheaper = min(out, key=lambda r: r["step_hbm_gib"] + r["ici_gather_gib_per_step"])
     print(f"cheaper per decoded token: {cheaper['layout']}", flush=True)
     return [dict(r, kv_cache_gib=kv_bytes / GIB) for r in out]
@@ -335,9 +427,11 @@ def check_fit(rows: list[dict]) -> str | None:
     """The one-line complaint about the first program that does not fit, or None."""
     for r in rows:
         if r["total_gib"] > r["hbm_gib"]:
-            return (f"{r['program']} needs {r['total_gib']:.2f} GiB per chip, "
-                    f"{r['total_gib'] - r['hbm_gib']:.2f} GiB more than the {r['hbm_gib']:g} GiB "
-                    "it has: more chips, a smaller micro-batch or a longer chunked pass")
+            return (
+                f"{r['program']} needs {r['total_gib']:.2f} GiB per chip, "
+                f"{r['total_gib'] - r['hbm_gib']:.2f} GiB more than the {r['hbm_gib']:g} GiB "
+                "it has: more chips, a smaller micro-batch or a longer chunked pass"
+            )
     return None
 
 
@@ -353,8 +447,11 @@ def analyse(c, topology: str, hbm_gib: float | None, programs) -> tuple[list[dic
     if kind == "cpu" and cfg.compute_dtype == jnp.bfloat16:
         cfg = dataclasses.replace(cfg, dtype="float32")  # XLA:CPU lacks some bf16 dots
     m, shapes = model.Transformer(cfg), run_shapes(c)
-    print(f"{topology}: {len(devices)} chips, mesh {dict(mesh.shape)}, {cfg.num_params() / 1e9:.2f}"
-          f"B params, compute {cfg.dtype}, {shapes}", flush=True)
+    print(
+        f"{topology}: {len(devices)} chips, mesh {dict(mesh.shape)}, {cfg.num_params() / 1e9:.2f}"
+        f"B params, compute {cfg.dtype}, {shapes}",
+        flush=True,
+    )
     rows = []
     for name in programs:
         if name == "decode":
@@ -370,10 +467,23 @@ def analyse(c, topology: str, hbm_gib: float | None, programs) -> tuple[list[dic
     return rows, check_fit(rows)
 
 
+def _define_flags():
+    """The command's flags, defined when it runs (train and evaluate define --config too)."""
+    config_flags.DEFINE_config_file("config", None, "configs/FILE.py:VARIANT", lock_config=False)
+    flags.DEFINE_string(
+        "topology",
+        "v5p-128",
+        "v5p-N (N TensorCores), v6e-N or v5e-N (N chips), or cpu:N (N host devices, no libtpu)",
+    )
+    flags.DEFINE_float("hbm_gib", None, "per-chip memory to check against (default: the chip's)")
+    flags.DEFINE_list("programs", "train,logprobs,prefill,rollout,decode", "which programs to compile")
+
+
 def main(argv):
     del argv
+    f = flags.FLAGS
     try:
-        rows, complaint = analyse(_CONFIG.value, _TOPOLOGY.value, _HBM.value, _PROGRAMS.value)
+        rows, complaint = analyse(f.config, f.topology, f.hbm_gib, f.programs)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -384,5 +494,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    _define_flags()
     flags.mark_flags_as_required(["config"])
     app.run(main)

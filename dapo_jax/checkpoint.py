@@ -29,18 +29,33 @@ from dapo_jax.errors import CheckpointError
 class Checkpointer:
     """Keep-last-N asynchronous checkpoints under `<workdir>/checkpoints`, or `directory`."""
 
-    def __init__(self, workdir: str, *, keep: int = 3, asynchronous: bool = True,
-                 directory: str | None = None, read_only: bool = False):
+    def __init__(
+        self,
+        workdir: str,
+        *,
+        keep: int = 3,
+        asynchronous: bool = True,
+        directory: str | None = None,
+        read_only: bool = False,
+    ):
         """`read_only` (evaluate, export): restores only, and leaves the temporary folders of a
         save in progress (a run still training in that workdir) alone."""
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=None if read_only else keep, create=not read_only,
-            enable_async_checkpointing=asynchronous, cleanup_tmp_directories=not read_only,
-            read_only=read_only, save_interval_steps=0 if read_only else 1)
-        self.directory = (paths.run_path(directory) if directory  # gs:// stays a URL
-                          else paths.run_path(workdir) / "checkpoints")
-        self._manager = ocp.CheckpointManager(self.directory, options=options,
-                                              item_names=("state", "host", "meta"))
+            max_to_keep=None if read_only else keep,
+            create=not read_only,
+            enable_async_checkpointing=asynchronous,
+            cleanup_tmp_directories=not read_only,
+            read_only=read_only,
+            save_interval_steps=0 if read_only else 1,
+        )
+        self.directory = (
+            paths.run_path(directory)
+            if directory  # gs:// stays a URL
+            else paths.run_path(workdir) / "checkpoints"
+        )
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options, item_names=("state", "host", "meta")
+        )
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -52,20 +67,30 @@ class Checkpointer:
         """Start saving; returns before the files are written unless the manager is synchronous."""
         flat = traverse_util.flatten_dict(host, keep_empty_nodes=True)
         empty_dicts = ["/".join(k) for k, v in flat.items() if v is traverse_util.empty_node]
-        flat = {"/".join(k): np.asarray(v) for k, v in flat.items()
-                if v is not traverse_util.empty_node}
+        flat = {"/".join(k): np.asarray(v) for k, v in flat.items() if v is not traverse_util.empty_node}
         arrays = {k: v for k, v in flat.items() if v.size}
         arrays["saved_step"] = np.asarray(step)  # also keeps the item non-empty, as orbax requires
         empty = {k: [list(v.shape), v.dtype.str] for k, v in flat.items() if not v.size}
-        self._manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), host=ocp.args.PyTreeSave(arrays),
-            meta=ocp.args.JsonSave({"empty": empty, "empty_dicts": empty_dicts})), force=True)
+        self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                host=ocp.args.PyTreeSave(arrays),
+                meta=ocp.args.JsonSave({"empty": empty, "empty_dicts": empty_dicts}),
+            ),
+            force=True,
+        )
 
     def restore(self, step: int, abstract_state) -> tuple[object, dict]:
         """(state with the shardings of `abstract_state`, host dict of numpy arrays)."""
-        restored = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), host=ocp.args.PyTreeRestore(),
-            meta=ocp.args.JsonRestore()))
+        restored = self._manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state),
+                host=ocp.args.PyTreeRestore(),
+                meta=ocp.args.JsonRestore(),
+            ),
+        )
         flat = {k: np.asarray(v) for k, v in restored["host"].items()}
         if int(flat.pop("saved_step")) != step:
             raise ValueError(f"{self.directory}: checkpoint {step} holds the host state of another step")
@@ -88,16 +113,19 @@ class Checkpointer:
                 state, host = self.restore(step, abstract_state)
             except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many kinds
                 reason = " ".join(f"{type(e).__name__}: {e}".split())[:500]
-                logging.warning("checkpoint %d in %s cannot be restored, skipped: %s", step,
-                                self.directory, reason)
+                logging.warning(
+                    "checkpoint %d in %s cannot be restored, skipped: %s", step, self.directory, reason
+                )
                 failed.append((step, reason))
                 continue
             for bad, _ in failed:
                 self._manager.delete(bad)
             return step, state, host
         if failed:
-            raise CheckpointError(f"no checkpoint in {self.directory} restores: "
-                                  + "; ".join(f"{bad} ({why})" for bad, why in failed))
+            raise CheckpointError(
+                f"no checkpoint in {self.directory} restores: "
+                + "; ".join(f"{bad} ({why})" for bad, why in failed)
+            )
         return None
 
     def wait(self) -> None:

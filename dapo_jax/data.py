@@ -45,7 +45,8 @@ from dapo_jax.errors import DataFileError
 DEFAULT_TEMPLATE = (
     "Solve the following math problem step by step. The last line of your response should be of "
     "the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
-    "{problem}\n\nRemember to put your answer on its own line after \"Answer:\".")
+    '{problem}\n\nRemember to put your answer on its own line after "Answer:".'
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,11 +56,12 @@ class PromptSet:
     index (row in the file), problem_id (dense id of the problem text), data_source (str),
     extra_info (the row's dict, else None; a reward plug-in gets it), solution
     (`extra_info.solution`, a worked solution where the file has one, else None)."""
+
     examples: list
-    n_rows: int        # rows in the file
-    n_malformed: int   # rows skipped as malformed
+    n_rows: int  # rows in the file
+    n_malformed: int  # rows skipped as malformed
     n_duplicates: int  # rows dropped by deduplication
-    n_truncated: int   # prompts cut from the left to max_prompt_len
+    n_truncated: int  # prompts cut from the left to max_prompt_len
     n_template_mismatch: int  # rows quoting DEFAULT_TEMPLATE's instructions, not wrapped in it
 
 
@@ -71,16 +73,19 @@ def check_data_file(path: str) -> None:
     """Raises DataFileError unless `path` is a .parquet file with rows (read from its footer, no
     rows loaded) or a .jsonl/.json file with a non-blank line: cheap checks before anything runs."""
     if not os.path.exists(path):
-        raise DataFileError(f"data file {path!r} does not exist; put the parquet/jsonl file there "
-                            "or point the config's data path at it")
+        raise DataFileError(
+            f"data file {path!r} does not exist; put the parquet/jsonl file there "
+            "or point the config's data path at it"
+        )
     if os.path.isdir(path):
         raise DataFileError(f"data file {path!r} is a directory, not a .parquet or .jsonl file")
     if path.endswith(".parquet"):
         try:
             n_rows = pq.ParquetFile(path).metadata.num_rows
         except (pa.ArrowException, OSError) as e:
-            raise DataFileError(f"data file {path!r} is not a readable parquet file "
-                                f"({' '.join(str(e).split())})") from None
+            raise DataFileError(
+                f"data file {path!r} is not a readable parquet file ({' '.join(str(e).split())})"
+            ) from None
         if not n_rows:
             raise DataFileError(f"data file {path!r} has no rows")
     elif path.endswith((".jsonl", ".json")):
@@ -150,39 +155,51 @@ def unique_rows(path: str, seen: set | None = None) -> tuple[list[dict], int, in
 
 
 # Sentences of DEFAULT_TEMPLATE that a problem of its own would not contain.
-_TEMPLATE_MARKERS = ("The last line of your response should be of the form Answer:",
-                     "Remember to put your answer on its own line after")
+_TEMPLATE_MARKERS = (
+    "The last line of your response should be of the form Answer:",
+    "Remember to put your answer on its own line after",
+)
 
 
 def quotes_default_template(content: str) -> bool:
     """Whether `content` holds DEFAULT_TEMPLATE's instructions without being wrapped in it."""
-    return (unwrap_default_template(content) == content
-            and any(marker in content for marker in _TEMPLATE_MARKERS))
+    return unwrap_default_template(content) == content and any(
+        marker in content for marker in _TEMPLATE_MARKERS
+    )
 
 
 def unwrap_default_template(content: str) -> str:
     """The problem inside `DEFAULT_TEMPLATE`, or `content` itself when not wrapped in it."""
     head, tail = DEFAULT_TEMPLATE.split("{problem}")
     if content.startswith(head) and content.endswith(tail) and len(content) > len(head + tail):
-        return content[len(head):len(content) - len(tail)]
+        return content[len(head) : len(content) - len(tail)]
     return content
 
 
-def format_prompt(problem: str, tokenizer, template: str = DEFAULT_TEMPLATE,
-                  use_chat_template: bool = True) -> str:
+def format_prompt(
+    problem: str, tokenizer, template: str = DEFAULT_TEMPLATE, use_chat_template: bool = True
+) -> str:
     """`template` with the problem in place of "{problem}", in the chat template if used."""
     if template.count("{problem}") != 1:
         raise ValueError(f"prompt template must contain '{{problem}}' once: {template!r}")
     text = template.replace("{problem}", problem)
     if use_chat_template and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                             add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
     return text
 
 
-def load_prompts(path: str, tokenizer, max_prompt_len: int, *, template: str = DEFAULT_TEMPLATE,
-                 use_chat_template: bool = True, dedup: bool = True,
-                 max_warnings: int = 10) -> PromptSet:
+def load_prompts(
+    path: str,
+    tokenizer,
+    max_prompt_len: int,
+    *,
+    template: str = DEFAULT_TEMPLATE,
+    use_chat_template: bool = True,
+    dedup: bool = True,
+    max_warnings: int = 10,
+) -> PromptSet:
     """Loads, checks, deduplicates, templates and tokenises a prompt file (see module doc)."""
     if max_prompt_len < 1:
         raise ValueError(f"max_prompt_len must be positive, got {max_prompt_len}")
@@ -206,25 +223,35 @@ def load_prompts(path: str, tokenizer, max_prompt_len: int, *, template: str = D
         if quotes_default_template(problem):
             n_mismatch += 1
             if n_mismatch <= max_warnings:
-                logging.warning("%s: row %d quotes the DAPO prompt template but is not wrapped in "
-                                "it exactly; it keeps its wording and gets the configured template "
-                                "around it", path, index)
+                logging.warning(
+                    "%s: row %d quotes the DAPO prompt template but is not wrapped in "
+                    "it exactly; it keeps its wording and gets the configured template "
+                    "around it",
+                    path,
+                    index,
+                )
         problem_id = problem_ids.setdefault(problem, len(problem_ids))
         data_source, extra = row.get("data_source"), row.get("extra_info")
         solution = extra.get("solution") if isinstance(extra, dict) else None
-        kept.append({"prompt_text": format_prompt(problem, tokenizer, template, chat),
-                     "ground_truth": answer, "index": index, "problem_id": problem_id,
-                     "data_source": data_source if isinstance(data_source, str) else "",
-                     "extra_info": extra if isinstance(extra, dict) else None,
-                     "solution": solution if isinstance(solution, str) else None})
+        kept.append(
+            {
+                "prompt_text": format_prompt(problem, tokenizer, template, chat),
+                "ground_truth": answer,
+                "index": index,
+                "problem_id": problem_id,
+                "data_source": data_source if isinstance(data_source, str) else "",
+                "extra_info": extra if isinstance(extra, dict) else None,
+                "solution": solution if isinstance(solution, str) else None,
+            }
+        )
     if n_malformed:
         logging.warning("%s: skipped %d malformed rows of %d", path, n_malformed, n_rows)
     if n_mismatch:
-        logging.warning("%s: %d rows quote the DAPO prompt template without being wrapped in it",
-                        path, n_mismatch)
+        logging.warning(
+            "%s: %d rows quote the DAPO prompt template without being wrapped in it", path, n_mismatch
+        )
     if not kept:
-        raise DataFileError(f"data file {path!r} has no usable rows ({n_rows} rows, "
-                            f"{n_malformed} malformed)")
+        raise DataFileError(f"data file {path!r} has no usable rows ({n_rows} rows, {n_malformed} malformed)")
     encoded = tokenizer([ex["prompt_text"] for ex in kept], add_special_tokens=not chat)
     n_truncated = 0
     for example, ids in zip(kept, encoded["input_ids"]):
@@ -261,18 +288,24 @@ class PromptIterator:
             if self._position == len(self._examples):
                 self._set(self._epoch + 1, 0)
             take = min(n - len(batch), len(self._examples) - self._position)
-            batch += [self._examples[i] for i in self._order[self._position:self._position + take]]
+            batch += [self._examples[i] for i in self._order[self._position : self._position + take]]
             self._position += take
         return batch
 
     def state(self) -> dict:
-        return {"seed": self._seed, "epoch": self._epoch, "position": self._position,
-                "num_examples": len(self._examples)}
+        return {
+            "seed": self._seed,
+            "epoch": self._epoch,
+            "position": self._position,
+            "num_examples": len(self._examples),
+        }
 
     def restore(self, state: dict):
         if int(state["num_examples"]) != len(self._examples):
-            raise ValueError(f"iterator state is for {int(state['num_examples'])} examples, "
-                             f"this data has {len(self._examples)}")
+            raise ValueError(
+                f"iterator state is for {int(state['num_examples'])} examples, "
+                f"this data has {len(self._examples)}"
+            )
         self._seed = int(state["seed"])
         self._set(int(state["epoch"]), int(state["position"]))
 
@@ -287,12 +320,14 @@ def pad_prompts(ids_list: list, length: int, pad_id: int) -> tuple[np.ndarray, n
         raise ValueError("pad_prompts needs at least one prompt")
     longest = max(len(ids) for ids in ids_list)
     if longest > length:
-        raise ValueError(f"a prompt of {longest} tokens is longer than {length}; raise "
-                         "data.max_prompt_len or truncate the prompt")
+        raise ValueError(
+            f"a prompt of {longest} tokens is longer than {length}; raise "
+            "data.max_prompt_len or truncate the prompt"
+        )
     tokens_PxQ = np.full((len(ids_list), length), pad_id, np.int32)
     mask_PxQ = np.zeros((len(ids_list), length), bool)
     for p, ids in enumerate(ids_list):
         if ids:
-            tokens_PxQ[p, length - len(ids):] = ids
-            mask_PxQ[p, length - len(ids):] = True
+            tokens_PxQ[p, length - len(ids) :] = ids
+            mask_PxQ[p, length - len(ids) :] = True
     return tokens_PxQ, mask_PxQ

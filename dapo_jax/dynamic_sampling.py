@@ -47,22 +47,32 @@ class DynamicSampler:
     is the GRPO baseline: groups are taken as they come, all-equal ones included.
     """
 
-    def __init__(self, train_batch_groups: int, group_size: int, max_num_gen_batches: int, *,
-                 filter_groups: bool, metric: str, carry_over: bool, on_exhausted: str):
+    def __init__(
+        self,
+        train_batch_groups: int,
+        group_size: int,
+        max_num_gen_batches: int,
+        *,
+        filter_groups: bool,
+        metric: str,
+        carry_over: bool,
+        on_exhausted: str,
+    ):
         if train_batch_groups < 1 or group_size < 1 or max_num_gen_batches < 0:
-            raise ValueError("train_batch_groups and group_size must be >= 1 and "
-                             "max_num_gen_batches >= 0 (0: no bound)")
+            raise ValueError(
+                "train_batch_groups and group_size must be >= 1 and max_num_gen_batches >= 0 (0: no bound)"
+            )
         if on_exhausted not in ON_EXHAUSTED:
             raise ValueError(f"on_exhausted must be one of {ON_EXHAUSTED}, got {on_exhausted!r}")
         if metric not in FILTER_METRICS:
             raise ValueError(f"filter metric must be one of {FILTER_METRICS}, got {metric!r}")
-        self._P, self._G = train_batch_groups, group_size           # P groups of G responses
+        self._P, self._G = train_batch_groups, group_size  # P groups of G responses
         self._max_num_gen_batches = max_num_gen_batches
         self._filter, self._metric, self._carry_over = filter_groups, metric, carry_over
         self._on_exhausted = on_exhausted
         self._carry: GenerationBatch | None = None  # kept groups not yet trained on
         self._generated: list[GenerationBatch] = []  # this step's generation batches
-        self._kept_P: list[np.ndarray] = []           # and which of their groups were kept
+        self._kept_P: list[np.ndarray] = []  # and which of their groups were kept
 
     @property
     def num_kept(self) -> int:
@@ -82,22 +92,29 @@ class DynamicSampler:
     def add(self, batch: GenerationBatch) -> None:
         """One generation batch of whole groups; its groups with signal are kept."""
         if batch.num_rows == 0 or batch.num_rows % self._G:
-            raise ValueError(f"a generation batch needs a positive multiple of G={self._G} rows; "
-                             f"got {batch.num_rows}")
+            raise ValueError(
+                f"a generation batch needs a positive multiple of G={self._G} rows; got {batch.num_rows}"
+            )
         self._generated.append(batch)
         self._kept_P.append(self._keep(getattr(batch, f"{self._metric}_B")))
         if not self._max_num_gen_batches and len(self._generated) % 10 == 0 and not self.full:
-            logging.warning("dynamic sampling: %d of %d groups kept after %d generation batches "
-                            "(max_num_gen_batches = 0: no bound)", self.num_kept, self._P,
-                            len(self._generated))
+            logging.warning(
+                "dynamic sampling: %d of %d groups kept after %d generation batches "
+                "(max_num_gen_batches = 0: no bound)",
+                self.num_kept,
+                self._P,
+                len(self._generated),
+            )
 
     def take(self) -> tuple[TrainBatch, dict]:
         """The train batch of B = P x G rows and its statistics (see `_stats`); starts the next step."""
         n_kept = self.num_kept
         n_masked = max(self._P - n_kept, 0)
         if n_masked and self._on_exhausted == "raise":
-            raise RuntimeError(f"dynamic sampling kept {n_kept} of {self._P} groups after "
-                               f"{len(self._generated)} generation batches (max_num_gen_batches)")
+            raise RuntimeError(
+                f"dynamic sampling kept {n_kept} of {self._P} groups after "
+                f"{len(self._generated)} generation batches (max_num_gen_batches)"
+            )
         carried = self._carry.num_rows if self._carry is not None else 0
         pieces = [self._carry] if self._carry is not None else []
         pieces += [g.rows(np.repeat(k, self._G)) for g, k in zip(self._generated, self._kept_P)]
@@ -108,13 +125,13 @@ class DynamicSampler:
         batch = kept.rows(slice(None, rows)).with_zero_rows(n_masked * self._G)
         leftover = kept.rows(slice(rows, None))
         n_leftover = leftover.num_rows // self._G
-        stats = self._stats(n_carried_in=carried // self._G, n_masked=n_masked,
-                            n_leftover=n_leftover)
+        stats = self._stats(n_carried_in=carried // self._G, n_masked=n_masked, n_leftover=n_leftover)
         self._carry = leftover if self._carry_over and n_leftover else None
         self._generated, self._kept_P = [], []
         row_B = np.arange(rows)
-        return TrainBatch(batch, valid_B=row_B < (self._P - n_masked) * self._G,
-                          carried_B=row_B < carried), stats
+        return TrainBatch(
+            batch, valid_B=row_B < (self._P - n_masked) * self._G, carried_B=row_B < carried
+        ), stats
 
     def _keep(self, metric_B) -> np.ndarray:
         """Per group: does it go into the batch? Not all-equal, or G = 1, or no filtering."""
@@ -128,8 +145,9 @@ class DynamicSampler:
         (NaN when it drew none, served from carried groups); before_filter/ means are over
         every generated row."""
         generated = concat(self._generated) if self._generated else None
-        acc_PxG = (generated.acc_B.reshape(-1, self._G) if generated is not None
-                   else np.zeros((0, self._G), bool))
+        acc_PxG = (
+            generated.acc_B.reshape(-1, self._G) if generated is not None else np.zeros((0, self._G), bool)
+        )
         kept_P = np.concatenate(self._kept_P) if self._kept_P else np.zeros(0, bool)
         n_groups = len(acc_PxG)
         fraction = lambda x: float(x.sum() / n_groups) if n_groups else float("nan")
@@ -147,8 +165,8 @@ class DynamicSampler:
         }
         for name in _LOGGED:
             stats[f"before_filter/{name}_mean"] = (
-                float(getattr(generated, f"{name}_B").mean()) if generated is not None
-                else float("nan"))
+                float(getattr(generated, f"{name}_B").mean()) if generated is not None else float("nan")
+            )
         return stats
 
     def state(self) -> dict:

@@ -28,8 +28,7 @@ from dapo_jax.errors import CheckpointError, ConfigError
 from dapo_jax.run import build, check_config
 
 
-def apply_overrides(c, *, data=None, samples=None, temperature=None, top_p=None,
-                    max_new_tokens=None):
+def apply_overrides(c, *, data=None, samples=None, temperature=None, top_p=None, max_new_tokens=None):
     """`c` with the command's sampling and data flags in place of the config's values."""
     c = c.copy_and_resolve_references()
     if data:
@@ -43,14 +42,21 @@ def apply_overrides(c, *, data=None, samples=None, temperature=None, top_p=None,
     return c
 
 
-def evaluate(c, *, workdir: str | None = None, step: int | None = None,
-             model: str | None = None, out: str | None = None) -> tuple[dict, str]:
+def evaluate(
+    c,
+    *,
+    workdir: str | None = None,
+    step: int | None = None,
+    model: str | None = None,
+    out: str | None = None,
+) -> tuple[dict, str]:
     """Evaluates checkpoint `step` of `workdir`, or the model folder / Hub id `model`, on the
     config's eval files; writes `out`/metrics.json and `out`/samples.jsonl. Returns (metrics,
     out)."""
     if (workdir is None) == (model is None):
-        raise ConfigError("give one of --workdir (a run's checkpoint) and --model (a Hugging Face "
-                          "model folder or Hub id)")
+        raise ConfigError(
+            "give one of --workdir (a run's checkpoint) and --model (a Hugging Face model folder or Hub id)"
+        )
     if model is not None:
         if out is None:
             raise ConfigError("--model needs --out, the folder for metrics.json and samples.jsonl")
@@ -69,8 +75,7 @@ def evaluate(c, *, workdir: str | None = None, step: int | None = None,
         raise ConfigError("no evaluation problems: set --data or the config's data.eval_files")
     rows = []
     try:
-        result = train.evaluate(run, params, step, rows,
-                                ks=evaluation.default_ks(run.config.eval.samples))
+        result = train.evaluate(run, params, step, rows, ks=evaluation.default_ks(run.config.eval.samples))
     finally:
         run.scorer.close()
     result["eval/num_problems"] = len(run.eval_examples)
@@ -83,7 +88,7 @@ def evaluate(c, *, workdir: str | None = None, step: int | None = None,
 
 
 def summary_text(m: dict) -> str:
-    """"avg@4 0.412 ± 0.015  pass@1 ... ± ...  maj@4 ..." of an evaluation's eval/ metrics."""
+    """ "avg@4 0.412 ± 0.015  pass@1 ... ± ...  maj@4 ..." of an evaluation's eval/ metrics."""
     parts = []
     for key, value in m.items():
         name = key.removeprefix("eval/")
@@ -113,14 +118,19 @@ def main(argv):
     if f.config is None:
         raise app.UsageError("--config is required")
     try:
-        c = apply_overrides(f.config, data=f.data, samples=f.samples, temperature=f.temperature,
-                            top_p=f.top_p, max_new_tokens=f.max_new_tokens)
+        c = apply_overrides(
+            f.config,
+            data=f.data,
+            samples=f.samples,
+            temperature=f.temperature,
+            top_p=f.top_p,
+            max_new_tokens=f.max_new_tokens,
+        )
         result, out = evaluate(c, workdir=f.workdir, step=f.step, model=f.model, out=f.out)
     except (ConfigError, CheckpointError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    print(f"{result['eval/num_problems']} problems x {c.eval.samples} samples: "
-          f"{summary_text(result)}")
+    print(f"{result['eval/num_problems']} problems x {c.eval.samples} samples: {summary_text(result)}")
     print(f"samples and metrics: {out}")
 
 

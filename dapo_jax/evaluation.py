@@ -80,10 +80,10 @@ def evaluate(records, ks=None) -> dict:
     metrics[f"se_avg@{n}"] = standard_error(per_problem)
     for k in ks:
         passes = [pass_at_k(n, sum(a for _, a in s), k) for s in problems]
-        majorities = [majority_correct([p for p, _ in s[:k]], [a for _, a in s[:k]])
-                      for s in problems]
-        metrics[f"pass@{k}"], metrics[f"se_pass@{k}"] = (sum(passes) / len(problems),
-                                                         standard_error(passes))
-        metrics[f"maj@{k}"], metrics[f"se_maj@{k}"] = (sum(majorities) / len(problems),
-                                                       standard_error(majorities))
+        majorities = [majority_correct([p for p, _ in s[:k]], [a for _, a in s[:k]]) for s in problems]
+        metrics[f"pass@{k}"], metrics[f"se_pass@{k}"] = (sum(passes) / len(problems), standard_error(passes))
+        metrics[f"maj@{k}"], metrics[f"se_maj@{k}"] = (
+            sum(majorities) / len(problems),
+            standard_error(majorities),
+        )
     return metrics

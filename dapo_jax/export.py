@@ -48,8 +48,9 @@ def restore(c, workdir: str, step: int | None = None) -> tuple[Run, TrainState, 
         steps = ckpt.all_steps()
         step = max(steps, default=None) if step is None else step
         if step not in steps:
-            raise ConfigError(f"workdir {workdir!r} has no checkpoint of step {step}; its steps: "
-                              f"{sorted(steps)}")
+            raise ConfigError(
+                f"workdir {workdir!r} has no checkpoint of step {step}; its steps: {sorted(steps)}"
+            )
         run = build(c, workdir)
         state, _ = ckpt.restore(step, run.abstract_state())
     finally:
@@ -57,24 +58,31 @@ def restore(c, workdir: str, step: int | None = None) -> tuple[Run, TrainState, 
     return run, state, step
 
 
-def export(c, workdir: str, step: int | None = None, out: str | None = None,
-           dtype: str | None = None, push_to_hub: str | None = None,
-           private: bool = True) -> tuple[str, int]:
+def export(
+    c,
+    workdir: str,
+    step: int | None = None,
+    out: str | None = None,
+    dtype: str | None = None,
+    push_to_hub: str | None = None,
+    private: bool = True,
+) -> tuple[str, int]:
     """Writes checkpoint `step` of `workdir` as a Hugging Face folder; returns (folder, step)."""
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r} is not one of {DTYPES}")
     run, state, step = restore(c, workdir, step)
     try:
-        out = train.export_hf(run, state.params, out or os.path.join(workdir, f"export_step_{step}"),
-                              dtype)
+        out = train.export_hf(run, state.params, out or os.path.join(workdir, f"export_step_{step}"), dtype)
     finally:
         run.scorer.close()
     if push_to_hub:
         import huggingface_hub  # pylint: disable=import-outside-toplevel
+
         api = huggingface_hub.HfApi()
         api.create_repo(push_to_hub, private=private, exist_ok=True)
-        api.upload_folder(folder_path=out, repo_id=push_to_hub,
-                          commit_message=f"dapo-jax export of {workdir} step {step}")
+        api.upload_folder(
+            folder_path=out, repo_id=push_to_hub, commit_message=f"dapo-jax export of {workdir} step {step}"
+        )
     return out, step
 
 
@@ -95,13 +103,14 @@ def main(argv):
     if f.config is None or f.workdir is None:
         raise app.UsageError("--config and --workdir are required")
     try:
-        out, step = export(f.config, f.workdir, f.step, f.out, f.dtype, f.push_to_hub,
-                           private=not f.public)
+        out, step = export(f.config, f.workdir, f.step, f.out, f.dtype, f.push_to_hub, private=not f.public)
     except (ConfigError, CheckpointError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    print(f"exported step {step} of {f.workdir} to {out}"
-          + (f" and https://huggingface.co/{f.push_to_hub}" if f.push_to_hub else ""))
+    print(
+        f"exported step {step} of {f.workdir} to {out}"
+        + (f" and https://huggingface.co/{f.push_to_hub}" if f.push_to_hub else "")
+    )
 
 
 if __name__ == "__main__":

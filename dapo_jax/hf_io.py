@@ -78,8 +78,10 @@ def read_hf_config(model_dir: str) -> dict:
     """The raw config.json of a model directory."""
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
-        raise ModelFolderError(path, "does not exist: pass a Hugging Face model directory "
-                               "holding config.json and model.safetensors")
+        raise ModelFolderError(
+            path,
+            "does not exist: pass a Hugging Face model directory holding config.json and model.safetensors",
+        )
     hf = _json_file(path, "restore the model's config.json")
     if not isinstance(hf, dict):
         raise ModelFolderError(path, "is not a JSON object; restore the model's config.json")
@@ -106,24 +108,31 @@ def _rope(hf: Mapping, source: str) -> tuple[float, tuple | None]:
         raise ModelFolderError(source, f"rope_theta is {theta!r}: a positive number is needed")
     partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
-        raise ModelFolderError(source, f"partial_rotary_factor {partial!r} is not supported "
-                               "(RoPE over whole heads only)")
+        raise ModelFolderError(
+            source, f"partial_rotary_factor {partial!r} is not supported (RoPE over whole heads only)"
+        )
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "default":
         return float(theta), None
     if rope_type != "llama3":
-        raise ModelFolderError(source, f"{key}.rope_type {rope_type!r} is not supported "
-                               "(default, llama3)")
+        raise ModelFolderError(source, f"{key}.rope_type {rope_type!r} is not supported (default, llama3)")
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
     for k in keys:
         if isinstance(rope.get(k), bool) or not isinstance(rope.get(k), (int, float)):
-            raise ModelFolderError(source, f"{key}.{k} is {rope.get(k)!r}: llama3 RoPE needs "
-                                   "a number")
+            raise ModelFolderError(source, f"{key}.{k} is {rope.get(k)!r}: llama3 RoPE needs a number")
     return float(theta), tuple((k, float(rope[k])) for k in keys)
 
 
-def config_from_hf(hf: Mapping, *, dtype="bfloat16", param_dtype="float32", remat=False,
-                   attention_chunk=0, source="config.json", **numerics) -> ModelConfig:
+def config_from_hf(
+    hf: Mapping,
+    *,
+    dtype="bfloat16",
+    param_dtype="float32",
+    remat=False,
+    attention_chunk=0,
+    source="config.json",
+    **numerics,
+) -> ModelConfig:
     """ModelConfig from a Qwen2/Qwen2.5, Qwen3 (dense) or Llama config.json (transformers 4 or 5
     layout). Every key it reads is checked first; a ModelFolderError names `source` and the key."""
     bad = lambda problem: ModelFolderError(source, problem)
@@ -132,29 +141,39 @@ def config_from_hf(hf: Mapping, *, dtype="bfloat16", param_dtype="float32", rema
         raise bad(f"architectures {archs!r} is not supported; supported: {sorted(FAMILIES)}")
     family = FAMILIES[archs[0]]
     if hf.get("model_type") != family.model_type:
-        raise bad(f"model_type {hf.get('model_type')!r} disagrees with architectures {archs} "
-                  f"(model_type {family.model_type!r}): fix whichever of the two is wrong")
+        raise bad(
+            f"model_type {hf.get('model_type')!r} disagrees with architectures {archs} "
+            f"(model_type {family.model_type!r}): fix whichever of the two is wrong"
+        )
     if hf.get("quantization_config") is not None:
-        raise bad("quantization_config: quantized checkpoints are not supported; load the "
-                  "unquantized (bf16 or f32) weights")
+        raise bad(
+            "quantization_config: quantized checkpoints are not supported; load the "
+            "unquantized (bf16 or f32) weights"
+        )
     if hf.get("hidden_act", "silu") != "silu":
         raise bad(f"hidden_act {hf['hidden_act']!r} is not supported (silu only)")
-    if hf.get("use_sliding_window") or any(t != "full_attention"
-                                           for t in hf.get("layer_types") or ()):
+    if hf.get("use_sliding_window") or any(t != "full_attention" for t in hf.get("layer_types") or ()):
         raise bad("use_sliding_window / layer_types: sliding-window attention is not supported")
     if hf.get("attention_bias") and not family.qkv_bias:
         raise bad(f"attention_bias true (q/k/v/o biases) is not supported for {archs[0]}")
-    ints = {k: _positive_int(hf, k, source) for k in (
-        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-        "num_attention_heads")}
+    ints = {
+        k: _positive_int(hf, k, source)
+        for k in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        )
+    }
     heads, hidden = ints["num_attention_heads"], ints["hidden_size"]
     kv_heads = _positive_int(hf, "num_key_value_heads", source, default=heads)
     if heads % kv_heads:
-        raise bad(f"num_attention_heads {heads} is not a multiple of num_key_value_heads "
-                  f"{kv_heads}")
+        raise bad(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
     if hf.get("head_dim") is None and hidden % heads:
-        raise bad(f"head_dim is not given and hidden_size {hidden} is not a multiple of "
-                  f"num_attention_heads {heads}")
+        raise bad(
+            f"head_dim is not given and hidden_size {hidden} is not a multiple of num_attention_heads {heads}"
+        )
     head_dim = _positive_int(hf, "head_dim", source, default=hidden // heads)
     if head_dim % 2:
         raise bad(f"head_dim {head_dim} is odd: RoPE rotates pairs of channels")
@@ -191,9 +210,12 @@ def config_from_hf(hf: Mapping, *, dtype="bfloat16", param_dtype="float32", rema
 def check_vocab(config: ModelConfig, tokenizer, source: str) -> None:
     """Every id the tokenizer can produce has a row in the embedding."""
     if len(tokenizer) > config.vocab_size:
-        raise ModelFolderError(source, f"vocab_size {config.vocab_size} is smaller than the "
-                               f"tokenizer's {len(tokenizer)} tokens: ids past it have no "
-                               "embedding; use the tokenizer that belongs to this model")
+        raise ModelFolderError(
+            source,
+            f"vocab_size {config.vocab_size} is smaller than the "
+            f"tokenizer's {len(tokenizer)} tokens: ids past it have no "
+            "embedding; use the tokenizer that belongs to this model",
+        )
 
 
 def hf_name(path: tuple[str, ...]) -> tuple[str, bool]:
@@ -213,26 +235,29 @@ def checkpoint_tensors(model_dir: str) -> dict[str, TensorInfo]:
     if not os.path.isfile(index):
         single = os.path.join(model_dir, _SINGLE_FILE)
         if not os.path.isfile(single):
-            raise ModelFolderError(model_dir, f"holds neither {_SINGLE_FILE} nor {_INDEX_FILE}; "
-                                   "weights load from safetensors only (convert .bin/.pt "
-                                   "checkpoints with transformers' save_pretrained)")
+            raise ModelFolderError(
+                model_dir,
+                f"holds neither {_SINGLE_FILE} nor {_INDEX_FILE}; "
+                "weights load from safetensors only (convert .bin/.pt "
+                "checkpoints with transformers' save_pretrained)",
+            )
         return read_safetensors_header(single)
     weight_map = _json_file(index, REDO)
     weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(f, str)
-                                                   for f in weight_map.values()):
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
         raise ModelFolderError(index, f"has no weight_map of tensor names to shard files; {REDO}")
     tensors = {}
     for shard in sorted(set(weight_map.values())):
         path = os.path.join(model_dir, shard)
         if os.path.basename(shard) != shard or not os.path.isfile(path):
-            raise ModelFolderError(index, f"names shard {shard!r}, which is not a file of "
-                                   f"{model_dir}; download the missing shard")
+            raise ModelFolderError(
+                index,
+                f"names shard {shard!r}, which is not a file of {model_dir}; download the missing shard",
+            )
         tensors.update(read_safetensors_header(path))
     for name, shard in weight_map.items():
         if name not in tensors or os.path.basename(tensors[name].file) != shard:
-            raise ModelFolderError(index, f"maps tensor {name} to {shard}, which does not hold "
-                                   f"it; {REDO}")
+            raise ModelFolderError(index, f"maps tensor {name} to {shard}, which does not hold it; {REDO}")
     return tensors
 
 
@@ -243,9 +268,15 @@ _TIED_HEAD = "lm_head.weight"  # with tie_word_embeddings, usable only as the em
 _EMBEDDING = "model.embed_tokens.weight"
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 # What sets each logical axis's size, to name the config.json keys behind a tensor's shape.
-_AXIS_KEYS = {"vocab": "vocab_size", "embed": "hidden_size", "norm": "hidden_size",
-              "mlp": "intermediate_size", "heads": "num_attention_heads x head_dim",
-              "kv_heads": "num_key_value_heads x head_dim", "head_dim": "head_dim"}
+_AXIS_KEYS = {
+    "vocab": "vocab_size",
+    "embed": "hidden_size",
+    "norm": "hidden_size",
+    "mlp": "intermediate_size",
+    "heads": "num_attention_heads x head_dim",
+    "kv_heads": "num_key_value_heads x head_dim",
+    "head_dim": "head_dim",
+}
 
 
 def _unrolled(model: Transformer) -> Transformer:
@@ -271,8 +302,7 @@ def _expected_tensors(model: Transformer) -> dict[str, tuple]:
     for path, leaf in abstract.items():
         name, transposed = hf_name(path)
         keys = [_AXIS_KEYS[a] for a in specs[path]]
-        out[name] = (path, leaf.shape[::-1] if transposed else leaf.shape,
-                     keys[::-1] if transposed else keys)
+        out[name] = (path, leaf.shape[::-1] if transposed else leaf.shape, keys[::-1] if transposed else keys)
     return out
 
 
@@ -284,33 +314,54 @@ def check_tensors(tensors: Mapping[str, TensorInfo], model: Transformer, model_d
     c = model.config
     layers = {int(m.group(1)) for m in map(_LAYER.match, tensors) if m}
     if layers and max(layers) + 1 != c.num_layers:
-        raise ModelFolderError(config_json, f"num_hidden_layers is {c.num_layers} but the weights "
-                               f"hold layers up to model.layers.{max(layers)}: fix "
-                               "num_hidden_layers or use the weights that belong to this config")
+        raise ModelFolderError(
+            config_json,
+            f"num_hidden_layers is {c.num_layers} but the weights "
+            f"hold layers up to model.layers.{max(layers)}: fix "
+            "num_hidden_layers or use the weights that belong to this config",
+        )
     expected = _expected_tensors(model)
-    tied_copy = (c.tie_word_embeddings and _TIED_HEAD in tensors
-                 and tensors[_TIED_HEAD].shape == (c.vocab_size, c.hidden_size))
-    unexpected = [n for n in sorted(tensors) if n not in expected
-                  and not _UNUSED_TENSORS.fullmatch(n) and not (tied_copy and n == _TIED_HEAD)]
+    tied_copy = (
+        c.tie_word_embeddings
+        and _TIED_HEAD in tensors
+        and tensors[_TIED_HEAD].shape == (c.vocab_size, c.hidden_size)
+    )
+    unexpected = [
+        n
+        for n in sorted(tensors)
+        if n not in expected and not _UNUSED_TENSORS.fullmatch(n) and not (tied_copy and n == _TIED_HEAD)
+    ]
     if unexpected:
-        raise ModelFolderError(tensors[unexpected[0]].file, f"{len(unexpected)} "
-                               f"tensor{'s' * (len(unexpected) > 1)} that no parameter reads: "
-                               f"{', '.join(unexpected[:4])}{', ...' * (len(unexpected) > 4)}; "
-                               "config.json's architectures or sizes do not describe these "
-                               "weights")
+        raise ModelFolderError(
+            tensors[unexpected[0]].file,
+            f"{len(unexpected)} "
+            f"tensor{'s' * (len(unexpected) > 1)} that no parameter reads: "
+            f"{', '.join(unexpected[:4])}{', ...' * (len(unexpected) > 4)}; "
+            "config.json's architectures or sizes do not describe these "
+            "weights",
+        )
     for name, (path, shape, keys) in expected.items():
         if name not in tensors:
-            raise ModelFolderError(model_dir, f"tensor {name} is missing from the checkpoint "
-                                   f"(parameter {'/'.join(path)}); the weights are not those of "
-                                   "the architecture config.json names")
+            raise ModelFolderError(
+                model_dir,
+                f"tensor {name} is missing from the checkpoint "
+                f"(parameter {'/'.join(path)}); the weights are not those of "
+                "the architecture config.json names",
+            )
         t = tensors[name]
         if t.shape != tuple(shape):
-            raise ModelFolderError(t.file, f"tensor {name} has shape {t.shape} but config.json's "
-                                   f"({', '.join(keys)}) say {tuple(shape)}: fix config.json or "
-                                   "use the weights that belong to it")
+            raise ModelFolderError(
+                t.file,
+                f"tensor {name} has shape {t.shape} but config.json's "
+                f"({', '.join(keys)}) say {tuple(shape)}: fix config.json or "
+                "use the weights that belong to it",
+            )
         if t.dtype not in _WEIGHT_DTYPES:
-            raise ModelFolderError(t.file, f"tensor {name} is {t.dtype}, not a float dtype "
-                                   f"{_WEIGHT_DTYPES}: quantized weights are not supported")
+            raise ModelFolderError(
+                t.file,
+                f"tensor {name} is {t.dtype}, not a float dtype "
+                f"{_WEIGHT_DTYPES}: quantized weights are not supported",
+            )
 
 
 def check_model_folder(model_dir: str, **numerics) -> tuple[dict, ModelConfig]:
@@ -337,9 +388,12 @@ def _check_tied_copy(handles, tensors: Mapping[str, TensorInfo], rows: int = 409
     for start in range(0, vocab, rows):
         block = slice(start, min(start + rows, vocab))  # safetensors slices do not clip
         if not np.array_equal(head[block], embed[block]):
-            raise ModelFolderError(tensors[_TIED_HEAD].file, f"tensor {_TIED_HEAD} differs from "
-                                   f"{_EMBEDDING} but config.json's tie_word_embeddings is "
-                                   "true: set it to false")
+            raise ModelFolderError(
+                tensors[_TIED_HEAD].file,
+                f"tensor {_TIED_HEAD} differs from "
+                f"{_EMBEDDING} but config.json's tie_word_embeddings is "
+                "true: set it to false",
+            )
 
 
 def _reader(handles, tensors, name: str, transposed: bool, dtype):
@@ -351,8 +405,9 @@ def _reader(handles, tensors, name: str, transposed: bool, dtype):
         try:
             block = view[index[::-1]].T if transposed else view[index]
         except SafetensorError as e:
-            raise ModelFolderError(tensors[name].file, f"tensor {name} cannot be read "
-                                   f"({e}); {REDO}") from None
+            raise ModelFolderError(
+                tensors[name].file, f"tensor {name} cannot be read ({e}); {REDO}"
+            ) from None
         return np.ascontiguousarray(block).astype(dtype)
 
     return read
@@ -361,6 +416,7 @@ def _reader(handles, tensors, name: str, transposed: bool, dtype):
 def _stacked_reader(layer_reads):
     """`read(index)` of a stacked [L, ...] parameter: index[0] picks layers, each read by its own
     tensor's reader with the rest of the index."""
+
     def read(index):
         layers = range(*index[0].indices(len(layer_reads)))
         return np.stack([layer_reads[i](index[1:]) for i in layers])
@@ -384,16 +440,21 @@ def load_params(model_dir: str, model: Transformer, mesh) -> dict:
             _check_tied_copy(handles, tensors)
         for path, leaf in abstract.items():
             if path[0] == "layers":
-                read = _stacked_reader([_reader(handles, tensors, *hf_name(_layer_path(path, i)),
-                                                dtype) for i in range(leaf.shape[0])])
+                read = _stacked_reader(
+                    [
+                        _reader(handles, tensors, *hf_name(_layer_path(path, i)), dtype)
+                        for i in range(leaf.shape[0])
+                    ]
+                )
             else:
                 read = _reader(handles, tensors, *hf_name(path), dtype)
             params[path] = jax.make_array_from_callback(leaf.shape, shardings[path], read)
     return traverse_util.unflatten_dict(params)
 
 
-def save_params(params, hf_config: Mapping, out_dir: str, *, dtype: str | None = None,
-                max_shard_bytes: int = 5 * 2**30) -> None:
+def save_params(
+    params, hf_config: Mapping, out_dir: str, *, dtype: str | None = None, max_shard_bytes: int = 5 * 2**30
+) -> None:
     """Write `params` as a Hugging Face checkpoint: config.json and (sharded) safetensors.
 
     Every process joins the gather of sharded arrays; only process 0 writes. A scanned model's
@@ -404,8 +465,11 @@ def save_params(params, hf_config: Mapping, out_dir: str, *, dtype: str | None =
     tensors = {}
     for path, x in flat.items():
         host = sharding.to_host(x)
-        per_layer = ([(_layer_path(path, i), host[i]) for i in range(host.shape[0])]
-                     if path[0] == "layers" else [(path, host)])
+        per_layer = (
+            [(_layer_path(path, i), host[i]) for i in range(host.shape[0])]
+            if path[0] == "layers"
+            else [(path, host)]
+        )
         for p, h in per_layer:
             name, transposed = hf_name(p)
             h = h.T if transposed else h
@@ -445,8 +509,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json + merges.txt
 
 def has_tokenizer(path: str) -> bool:
     """Whether the directory holds one of `TOKENIZER_FILES`."""
-    return any(all(os.path.isfile(os.path.join(path, f)) for f in files.split(" + "))
-               for files in TOKENIZER_FILES)
+    return any(
+        all(os.path.isfile(os.path.join(path, f)) for f in files.split(" + ")) for files in TOKENIZER_FILES
+    )
 
 
 def load_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase:
@@ -464,12 +529,14 @@ def load_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase:
     declared = None
     if os.path.isfile(config_path):
         tokenizer_config = _json_file(config_path, "restore the tokenizer's files")
-        declared = tokenizer_config.get("tokenizer_class") if isinstance(
-            tokenizer_config, dict) else None
+        declared = tokenizer_config.get("tokenizer_class") if isinstance(tokenizer_config, dict) else None
     try:
         if declared in ("PreTrainedTokenizerFast", "TokenizersBackend"):
             return transformers.PreTrainedTokenizerFast.from_pretrained(path)
         return transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - whatever a broken file makes transformers raise
-        raise ModelFolderError(path, f"the tokenizer does not load ({type(e).__name__}: "
-                               f"{str(e)[:200]}); restore the tokenizer's files") from None
+        raise ModelFolderError(
+            path,
+            f"the tokenizer does not load ({type(e).__name__}: "
+            f"{str(e)[:200]}); restore the tokenizer's files",
+        ) from None

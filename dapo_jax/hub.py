@@ -28,10 +28,20 @@ from huggingface_hub import constants
 
 from dapo_jax.errors import ConfigError
 
-MODEL_FILES = ("*.safetensors", "model.safetensors.index.json", "config.json",
-               "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "tokenizer.model", "vocab.json", "merges.txt", "special_tokens_map.json",
-               "added_tokens.json", "chat_template.jinja")
+MODEL_FILES = (
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
 DATA_FILES = ("*.parquet", "*.jsonl")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
@@ -41,20 +51,25 @@ def is_hub_id(path: str, data: bool = False) -> bool:
     """Whether `path` names a Hub repo ("owner/name", ":split" for data) rather than a local
     path: it does not exist here, has the shape of an id and, for data, no file suffix."""
     name = path.split(":")[0] if data else path
-    return (bool(path) and not os.path.exists(path) and bool(_HUB_ID.match(name))
-            and not (data and name.endswith(_DATA_SUFFIXES)))
+    return (
+        bool(path)
+        and not os.path.exists(path)
+        and bool(_HUB_ID.match(name))
+        and not (data and name.endswith(_DATA_SUFFIXES))
+    )
 
 
 def _snapshot(repo_id: str, repo_type: str, patterns, key: str) -> str:
     try:
-        return huggingface_hub.snapshot_download(repo_id, repo_type=repo_type,
-                                                 allow_patterns=list(patterns))
+        return huggingface_hub.snapshot_download(repo_id, repo_type=repo_type, allow_patterns=list(patterns))
     except (OSError, ValueError) as e:  # not in the cache offline, unknown, an invalid id
         where = "while HF_HUB_OFFLINE=1" if constants.HF_HUB_OFFLINE else "nor on the Hub"
         reason = " ".join(str(e).split())[:200]
-        raise ConfigError(f"{key} {repo_id!r} is not a local path, and as a Hub {repo_type} id "
-                          f"it is not in the cache {constants.HF_HUB_CACHE} {where} ({reason}); "
-                          "download it once online or give a local path") from None
+        raise ConfigError(
+            f"{key} {repo_id!r} is not a local path, and as a Hub {repo_type} id "
+            f"it is not in the cache {constants.HF_HUB_CACHE} {where} ({reason}); "
+            "download it once online or give a local path"
+        ) from None
 
 
 def resolve_model(path: str, key: str = "model.path") -> str:
@@ -72,13 +87,19 @@ def resolve_data(spec: str, key: str = "data.train_files") -> list[str]:
         return [spec]
     repo_id, _, split = spec.partition(":")
     folder = _snapshot(repo_id, "dataset", DATA_FILES, key)
-    files = sorted(os.path.join(root, f) for root, _, names in os.walk(folder) for f in names
-                   if any(fnmatch.fnmatch(f, p) for p in DATA_FILES))
+    files = sorted(
+        os.path.join(root, f)
+        for root, _, names in os.walk(folder)
+        for f in names
+        if any(fnmatch.fnmatch(f, p) for p in DATA_FILES)
+    )
     chosen = [f for f in files if split in os.path.relpath(f, folder)] if split else files
     if not chosen:
         listed = [os.path.relpath(f, folder) for f in files]
-        raise ConfigError(f"{key} {spec!r}: the dataset holds no parquet/jsonl file"
-                          + (f" of split {split!r}; its files: {listed}" if split else ""))
+        raise ConfigError(
+            f"{key} {spec!r}: the dataset holds no parquet/jsonl file"
+            + (f" of split {split!r}; its files: {listed}" if split else "")
+        )
     return chosen
 
 

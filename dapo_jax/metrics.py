@@ -54,9 +54,9 @@ def recipe_names(metrics: dict) -> dict:
     actor/pg_clipfrac = upper + lower clip fraction (disjoint: A > 0 and A < 0 tokens)."""
     out = {RECIPE_NAMES.get(k, k): v for k, v in metrics.items()}
     if "actor/pg_clipfrac_upper" in metrics and "actor/pg_clipfrac_lower" in metrics:
-        out["actor/pg_clipfrac"] = (metrics["actor/pg_clipfrac_upper"]
-                                    + metrics["actor/pg_clipfrac_lower"])
+        out["actor/pg_clipfrac"] = metrics["actor/pg_clipfrac_upper"] + metrics["actor/pg_clipfrac_lower"]
     return out
+
 
 # The console line: (metric key, label, format), docs/dapo_spec.md section 10's headline figures. Accuracy
 # and score are the policy's, over every sampled response (before the dynamic-sampling filter).
@@ -89,17 +89,27 @@ def console_line(step: int, metrics: dict) -> str:
     for key, label, fmt in CONSOLE:
         if key in metrics:
             parts.append(f"{label} {metrics[key]:{fmt}}")
-    parts += [f"held-out {key[len('eval/'):]} {value:.3f}" for key, value in metrics.items()
-              if key.startswith("eval/avg@")]
+    parts += [
+        f"held-out {key[len('eval/') :]} {value:.3f}"
+        for key, value in metrics.items()
+        if key.startswith("eval/avg@")
+    ]
     return "  ".join(parts)
 
 
 class MetricsWriter:
     """JSONL + TensorBoard (+ wandb) writer of scalar dicts, one record per step."""
 
-    def __init__(self, workdir: str, *, resume_step: int | None = None,
-                 writers: str = "jsonl,tensorboard", wandb_project: str = "dapo-jax",
-                 aliases: bool = False, config: dict | None = None):
+    def __init__(
+        self,
+        workdir: str,
+        *,
+        resume_step: int | None = None,
+        writers: str = "jsonl,tensorboard",
+        wandb_project: str = "dapo-jax",
+        aliases: bool = False,
+        config: dict | None = None,
+    ):
         self.enabled = jax.process_index() == 0
         if not self.enabled:
             return
@@ -109,12 +119,18 @@ class MetricsWriter:
         self.path = root / JSONL
         self._lines = []  # the file's records, as its lines
         if self.path.exists():
-            self._lines = [json.dumps(r) + "\n" for r in read_jsonl(self.path)
-                           if resume_step is None or r["step"] <= resume_step]
+            self._lines = [
+                json.dumps(r) + "\n"
+                for r in read_jsonl(self.path)
+                if resume_step is None or r["step"] <= resume_step
+            ]
         purge = None if resume_step is None else resume_step + 1
         paths.tensorboard_writers()
-        self._tb = (tensorboardX.SummaryWriter(str(root / "tensorboard"), purge_step=purge)
-                    if "tensorboard" in names else None)
+        self._tb = (
+            tensorboardX.SummaryWriter(str(root / "tensorboard"), purge_step=purge)
+            if "tensorboard" in names
+            else None
+        )
         self._aliases = aliases
         self._wandb = _start_wandb(workdir, wandb_project, config) if "wandb" in names else None
 
@@ -147,8 +163,9 @@ def parse_writers(writers: str) -> tuple[str, ...]:
     names = tuple(w.strip() for w in writers.split(",") if w.strip())
     unknown = [w for w in names if w not in WRITERS]
     if unknown or "jsonl" not in names:
-        raise ValueError(f"metrics.writers {writers!r}: a comma-separated list of {WRITERS} "
-                         "that includes jsonl")
+        raise ValueError(
+            f"metrics.writers {writers!r}: a comma-separated list of {WRITERS} that includes jsonl"
+        )
     return names
 
 
@@ -157,6 +174,7 @@ def _start_wandb(workdir: str, project: str, config: dict | None):
     run logs into the same wandb run; its local files under `<workdir>/wandb` (wandb's default
     folder when the workdir is a URL)."""
     import wandb  # pylint: disable=import-outside-toplevel  # optional: extra `tracking`
+
     root = paths.run_path(workdir)
     id_file = root / "wandb_run_id"
     if id_file.is_file():
@@ -164,5 +182,11 @@ def _start_wandb(workdir: str, project: str, config: dict | None):
     else:
         run_id = uuid.uuid4().hex[:12]
         paths.write_text_atomic(id_file, run_id)
-    return wandb.init(project=project, name=root.name, id=run_id, resume="allow",
-                      dir=None if paths.is_url(workdir) else workdir, config=config)
+    return wandb.init(
+        project=project,
+        name=root.name,
+        id=run_id,
+        resume="allow",
+        dir=None if paths.is_url(workdir) else workdir,
+        config=config,
+    )

@@ -95,8 +95,10 @@ def init_cache(config: ModelConfig, batch: int, length: int) -> list[KVCache] | 
     if config.scan_layers:
         n = config.num_layers
         return KVCache(jnp.zeros((n, *tiles), dtype), jnp.zeros((n, b, k, length, h), dtype))
-    return [KVCache(jnp.zeros(tiles, dtype), jnp.zeros((b, k, length, h), dtype))
-            for _ in range(config.num_layers)]
+    return [
+        KVCache(jnp.zeros(tiles, dtype), jnp.zeros((b, k, length, h), dtype))
+        for _ in range(config.num_layers)
+    ]
 
 
 def cache_layer_axes(caches) -> int:
@@ -178,8 +180,9 @@ def grouped_attention(q_BxTxKxGxH, keys, v_BxKxSxH, attn_BxTxS, dtype):
         scores = jnp.sum(q_BxKxGx1xHx1 * keys[:, :, None].astype(jnp.float32), -2) * scale
         scores_BxKxGxTxS = scores.reshape(b, k, g, 1, -1)
     else:
-        scores_BxKxGxTxS = jnp.einsum("btkgh,bkhs->bkgts", q_BxTxKxGxH, keys,
-                                      preferred_element_type=jnp.float32) * scale
+        scores_BxKxGxTxS = (
+            jnp.einsum("btkgh,bkhs->bkgts", q_BxTxKxGxH, keys, preferred_element_type=jnp.float32) * scale
+        )
     scores = jnp.where(attn_BxTxS[:, None, None], scores_BxKxGxTxS, _NEG_INF)
     probs_BxKxGxTxS = jax.nn.softmax(scores, axis=-1).astype(dtype)
     if keys.ndim == 5:
@@ -198,11 +201,9 @@ def chunked_attention(q_BxTxKxGxH, keys, v_BxKxSxH, attn_BxTxS, dtype, chunk: in
         return grouped_attention(q_BxTxKxGxH, keys, v_BxKxSxH, attn_BxTxS, dtype)
     n = -(-t // chunk)
     pad = ((0, 0), (0, n * chunk - t))  # padded queries read no key; their rows are dropped
-    q_NxBxCxKxGxH = jnp.pad(q_BxTxKxGxH, pad + ((0, 0),) * 3).reshape(
-        b, n, chunk, k, g, h).swapaxes(0, 1)
+    q_NxBxCxKxGxH = jnp.pad(q_BxTxKxGxH, pad + ((0, 0),) * 3).reshape(b, n, chunk, k, g, h).swapaxes(0, 1)
     attn_NxBxCxS = jnp.pad(attn_BxTxS, pad + ((0, 0),)).reshape(b, n, chunk, -1).swapaxes(0, 1)
-    block = jax.checkpoint(
-        lambda q_attn: grouped_attention(q_attn[0], keys, v_BxKxSxH, q_attn[1], dtype))
+    block = jax.checkpoint(lambda q_attn: grouped_attention(q_attn[0], keys, v_BxKxSxH, q_attn[1], dtype))
     out_NxBxCxKxGxH = jax.lax.map(block, (q_NxBxCxKxGxH, attn_NxBxCxS))
     return out_NxBxCxKxGxH.swapaxes(0, 1).reshape(b, n * chunk, k, g, h)[:, :t]
 
@@ -231,8 +232,10 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x):
         scale = self.param(
-            "scale", nn.with_logical_partitioning(nn.initializers.ones, (self.axis,)),
-            (x.shape[-1],), self.param_dtype,
+            "scale",
+            nn.with_logical_partitioning(nn.initializers.ones, (self.axis,)),
+            (x.shape[-1],),
+            self.param_dtype,
         )
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
@@ -256,30 +259,30 @@ class Attention(nn.Module):
         val = _dense(c, k * h, ("embed", "kv_heads"), c.qkv_bias, "v_proj")(x_BxTxD)
         q_BxTxNxH, k_BxTxKxH = q.reshape(b, t, n, h), key.reshape(b, t, k, h)
         if c.qk_norm:
-            norm = lambda name: RMSNorm(c.rms_norm_eps, c.compute_dtype, c.weight_dtype,
-                                        "head_dim", name=name)
+            norm = lambda name: RMSNorm(
+                c.rms_norm_eps, c.compute_dtype, c.weight_dtype, "head_dim", name=name
+            )
             q_BxTxNxH, k_BxTxKxH = norm("q_norm")(q_BxTxNxH), norm("k_norm")(k_BxTxKxH)
         q_BxTxNxH = apply_rope(q_BxTxNxH, rope)
         kT_BxKxHxT = apply_rope(k_BxTxKxH, rope).transpose(0, 2, 3, 1)
         v_BxKxTxH = val.reshape(b, t, k, h).transpose(0, 2, 1, 3)
         if cache is not None:
             v_BxKxSxH = jax.lax.dynamic_update_slice(
-                cache.v, v_BxKxTxH.astype(cache.v.dtype), (0, 0, cache_index, 0))
+                cache.v, v_BxKxTxH.astype(cache.v.dtype), (0, 0, cache_index, 0)
+            )
             new_keys = kT_BxKxHxT.astype(cache.k.dtype)
             if t == 1:  # a decode step writes one slot of one tile and reads the tiles
                 keys = jax.lax.dynamic_update_slice(
-                    cache.k, new_keys[:, :, None], (0, 0, cache_index // KEY_TILE, 0,
-                                                    cache_index % KEY_TILE))
+                    cache.k, new_keys[:, :, None], (0, 0, cache_index // KEY_TILE, 0, cache_index % KEY_TILE)
+                )
                 cache = KVCache(keys, v_BxKxSxH)
             else:  # a prefill writes across tiles and reads the keys untiled
-                keys = jax.lax.dynamic_update_slice(untile_keys(cache.k), new_keys,
-                                                    (0, 0, 0, cache_index))
+                keys = jax.lax.dynamic_update_slice(untile_keys(cache.k), new_keys, (0, 0, 0, cache_index))
                 cache = KVCache(tile_keys(keys), v_BxKxSxH)
         else:
             keys, v_BxKxSxH = kT_BxKxHxT, v_BxKxTxH
         q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, k, n // k, h)
-        out = chunked_attention(q_BxTxKxGxH, keys, v_BxKxSxH, attn_BxTxS, c.compute_dtype,
-                                c.attention_chunk)
+        out = chunked_attention(q_BxTxKxGxH, keys, v_BxKxSxH, attn_BxTxS, c.compute_dtype, c.attention_chunk)
         out = out.reshape(b, t, n * h)
         out = nn.with_logical_constraint(out, ("batch", "length", "heads"))
         return _dense(c, c.hidden_size, ("heads", "embed"), False, "o_proj")(out), cache
@@ -309,7 +312,8 @@ class DecoderLayer(nn.Module):
         c = self.config
         norm = lambda name: RMSNorm(c.rms_norm_eps, c.compute_dtype, c.weight_dtype, name=name)
         h, cache = Attention(c, name="self_attn")(
-            norm("input_layernorm")(x_BxTxD), rope, attn_BxTxS, cache, cache_index)
+            norm("input_layernorm")(x_BxTxD), rope, attn_BxTxS, cache, cache_index
+        )
         x_BxTxD = x_BxTxD + h
         x_BxTxD = x_BxTxD + MLP(c, name="mlp")(norm("post_attention_layernorm")(x_BxTxD))
         return nn.with_logical_constraint(x_BxTxD, ("batch", "length", "embed")), cache
@@ -320,8 +324,10 @@ def _layer_class(c: ModelConfig):
         return DecoderLayer
     policy = getattr(jax.checkpoint_policies, c.remat_policy, None)
     if policy is None:
-        raise ValueError(f"remat_policy {c.remat_policy!r} is not a jax.checkpoint_policies name "
-                         "(e.g. nothing_saveable, dots_with_no_batch_dims_saveable)")
+        raise ValueError(
+            f"remat_policy {c.remat_policy!r} is not a jax.checkpoint_policies name "
+            "(e.g. nothing_saveable, dots_with_no_batch_dims_saveable)"
+        )
     return nn.remat(DecoderLayer, policy=policy, prevent_cse=not c.scan_layers)
 
 
@@ -334,12 +340,18 @@ def _decoder_stack(c: ModelConfig, x_BxTxD, rope, attn_BxTxS, caches, cache_inde
         new_caches = []
         for i in range(c.num_layers):
             x_BxTxD, cache = layer_cls(c, name=f"layers_{i}")(
-                x_BxTxD, rope, attn_BxTxS, None if caches is None else caches[i], cache_index)
+                x_BxTxD, rope, attn_BxTxS, None if caches is None else caches[i], cache_index
+            )
             new_caches.append(cache)
         return x_BxTxD, (None if caches is None else new_caches)
-    stack = nn.scan(layer_cls, variable_axes={"params": 0}, split_rngs={"params": True},
-                    in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast), length=c.num_layers,
-                    metadata_params={nn.PARTITION_NAME: "layers"})
+    stack = nn.scan(
+        layer_cls,
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast),
+        length=c.num_layers,
+        metadata_params={nn.PARTITION_NAME: "layers"},
+    )
     return stack(c, name="layers")(x_BxTxD, rope, attn_BxTxS, caches, cache_index)
 
 
@@ -365,13 +377,16 @@ class Transformer(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens_BxT, positions_BxT, attn_BxTxS, caches=None, cache_index=0,
-                 hidden_only: bool = False):
+    def __call__(
+        self, tokens_BxT, positions_BxT, attn_BxTxS, caches=None, cache_index=0, hidden_only: bool = False
+    ):
         c = self.config
         embed = nn.Embed(
-            c.vocab_size, c.hidden_size, dtype=c.compute_dtype, param_dtype=c.weight_dtype,
-            embedding_init=nn.with_logical_partitioning(nn.initializers.normal(0.02),
-                                                        ("vocab", "embed")),
+            c.vocab_size,
+            c.hidden_size,
+            dtype=c.compute_dtype,
+            param_dtype=c.weight_dtype,
+            embedding_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), ("vocab", "embed")),
             name="embed_tokens",
         )
         x_BxTxD = nn.with_logical_constraint(embed(tokens_BxT), ("batch", "length", "embed"))
@@ -390,15 +405,21 @@ class Transformer(nn.Module):
 
 def forward(model: Transformer, params, tokens_BxT, mask_BxT) -> jax.Array:
     """Teacher-forced logits `logits_BxTxV` of a (left- or right-) padded batch, no cache."""
-    logits, _ = model.apply({"params": params}, tokens_BxT, positions_from_mask(mask_BxT),
-                            causal_attention_mask(mask_BxT))
+    logits, _ = model.apply(
+        {"params": params}, tokens_BxT, positions_from_mask(mask_BxT), causal_attention_mask(mask_BxT)
+    )
     return logits
 
 
 def forward_hidden(model: Transformer, params, tokens_BxT, mask_BxT) -> jax.Array:
     """Teacher-forced final hidden states `x_BxTxD` (what `lm_head` maps to the logits)."""
-    x_BxTxD, _ = model.apply({"params": params}, tokens_BxT, positions_from_mask(mask_BxT),
-                             causal_attention_mask(mask_BxT), hidden_only=True)
+    x_BxTxD, _ = model.apply(
+        {"params": params},
+        tokens_BxT,
+        positions_from_mask(mask_BxT),
+        causal_attention_mask(mask_BxT),
+        hidden_only=True,
+    )
     return x_BxTxD
 
 
@@ -415,5 +436,4 @@ def unstack_layers(params):
     stacked = params["layers"]
     n = jax.tree.leaves(stacked)[0].shape[0]
     rest = {k: v for k, v in params.items() if k != "layers"}
-    return {**rest, **{f"layers_{i}": jax.tree.map(lambda x, i=i: x[i], stacked)
-                       for i in range(n)}}
+    return {**rest, **{f"layers_{i}": jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(n)}}

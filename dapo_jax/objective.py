@@ -96,16 +96,31 @@ def denominators(mask_BxT, agg_mode: str, norm_const: float | None = None) -> De
     elif agg_mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
         loss = n_seqs
     elif norm_const is None or norm_const <= 0:
-        raise ValueError("agg_mode 'seq-mean-token-sum-norm' needs norm_const = L_const > 0 "
-                         f"(the maximum response length), got {norm_const}")
+        raise ValueError(
+            "agg_mode 'seq-mean-token-sum-norm' needs norm_const = L_const > 0 "
+            f"(the maximum response length), got {norm_const}"
+        )
     else:
         loss = n_seqs * norm_const
     return Denominators(jnp.maximum(loss, 1.0), jnp.maximum(tokens, 1.0))
 
 
-def policy_loss_sum(logp_BxT, old_logp_BxT, adv_B, mask_BxT, denom: Denominators, *,
-                    eps_low: float, eps_high: float, clip_ratio_c: float | None, agg_mode: str,
-                    ref_logp_BxT=None, beta: float, entropy_BxT=None, entropy_coef: float):
+def policy_loss_sum(
+    logp_BxT,
+    old_logp_BxT,
+    adv_B,
+    mask_BxT,
+    denom: Denominators,
+    *,
+    eps_low: float,
+    eps_high: float,
+    clip_ratio_c: float | None,
+    agg_mode: str,
+    ref_logp_BxT=None,
+    beta: float,
+    entropy_BxT=None,
+    entropy_coef: float,
+):
     """These rows' share of the mini-batch loss: sums over their tokens / the mini-batch's `denom`.
 
     Per token, with r = exp(logp - old_logp) (log r clamped to ±20):
@@ -132,8 +147,9 @@ def policy_loss_sum(logp_BxT, old_logp_BxT, adv_B, mask_BxT, denom: Denominators
     m_BxT = on_BxT.astype(jnp.float32)
     a_Bx1 = jnp.asarray(adv_B, jnp.float32)[:, None]
     # Masked entries are replaced, not multiplied by 0, so junk (even NaN) there cannot leak.
-    log_ratio_BxT = jnp.clip(jnp.where(on_BxT, logp_BxT - old_logp_BxT, 0.0),
-                             -_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT)
+    log_ratio_BxT = jnp.clip(
+        jnp.where(on_BxT, logp_BxT - old_logp_BxT, 0.0), -_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT
+    )
     ratio_BxT = jnp.exp(log_ratio_BxT)
 
     l1_BxT = -a_Bx1 * ratio_BxT
@@ -173,11 +189,22 @@ def policy_loss_sum(logp_BxT, old_logp_BxT, adv_B, mask_BxT, denom: Denominators
     return loss, metrics
 
 
-def policy_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, *, eps_low: float = 0.2,
-                eps_high: float = 0.28, clip_ratio_c: float | None = None,
-                agg_mode: str = "token-mean", norm_const: float | None = None,
-                ref_logp_BxT=None, beta: float = 0.0, entropy_BxT=None,
-                entropy_coef: float = 0.0):
+def policy_loss(
+    logp_BxT,
+    old_logp_BxT,
+    adv_B,
+    mask_BxT,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    clip_ratio_c: float | None = None,
+    agg_mode: str = "token-mean",
+    norm_const: float | None = None,
+    ref_logp_BxT=None,
+    beta: float = 0.0,
+    entropy_BxT=None,
+    entropy_coef: float = 0.0,
+):
     """The loss of one whole mini-batch: `policy_loss_sum` over its own `denominators`.
 
     `agg_mode` (section 3):  token-mean: sum_{i,t} l m / sum_{i,t} m;
@@ -186,7 +213,18 @@ def policy_loss(logp_BxT, old_logp_BxT, adv_B, mask_BxT, *, eps_low: float = 0.2
     L_const = `norm_const`. The means over i count rows with a loss token. Returns `(loss, metrics)`.
     """
     denom = denominators(mask_BxT, agg_mode, norm_const)
-    return policy_loss_sum(logp_BxT, old_logp_BxT, adv_B, mask_BxT, denom, eps_low=eps_low,
-                           eps_high=eps_high, clip_ratio_c=clip_ratio_c, agg_mode=agg_mode,
-                           ref_logp_BxT=ref_logp_BxT, beta=beta, entropy_BxT=entropy_BxT,
-                           entropy_coef=entropy_coef)
+    return policy_loss_sum(
+        logp_BxT,
+        old_logp_BxT,
+        adv_B,
+        mask_BxT,
+        denom,
+        eps_low=eps_low,
+        eps_high=eps_high,
+        clip_ratio_c=clip_ratio_c,
+        agg_mode=agg_mode,
+        ref_logp_BxT=ref_logp_BxT,
+        beta=beta,
+        entropy_BxT=entropy_BxT,
+        entropy_coef=entropy_coef,
+    )

@@ -30,8 +30,10 @@ def run_path(path) -> epath.Path:
     if is_url(path):
         scheme = str(path).split("://", 1)[0]
         if scheme not in URL_SCHEMES:
-            raise ValueError(f"{path}: {scheme}:// is not supported; use a local path or "
-                             + ", ".join(f"{s}://" for s in URL_SCHEMES))
+            raise ValueError(
+                f"{path}: {scheme}:// is not supported; use a local path or "
+                + ", ".join(f"{s}://" for s in URL_SCHEMES)
+            )
         return epath.Path(path)
     return epath.Path(path).absolute()
 

@@ -25,14 +25,18 @@ from absl import app, flags
 from dapo_jax import data, hub
 from dapo_jax.errors import ConfigError
 
-SOURCES = {"dapo-math-17k.parquet": "BytedTsinghua-SIA/DAPO-Math-17k",
-           "aime-2024.parquet": "BytedTsinghua-SIA/AIME-2024"}
+SOURCES = {
+    "dapo-math-17k.parquet": "BytedTsinghua-SIA/DAPO-Math-17k",
+    "aime-2024.parquet": "BytedTsinghua-SIA/AIME-2024",
+}
 
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "folder for the parquet files")
-_DAPO_MATH = flags.DEFINE_string("dapo_math", SOURCES["dapo-math-17k.parquet"],
-                                 "DAPO-Math-17k: a local file or a Hub dataset id")
-_AIME = flags.DEFINE_string("aime", SOURCES["aime-2024.parquet"],
-                            "AIME 2024: a local file or a Hub dataset id")
+_DAPO_MATH = flags.DEFINE_string(
+    "dapo_math", SOURCES["dapo-math-17k.parquet"], "DAPO-Math-17k: a local file or a Hub dataset id"
+)
+_AIME = flags.DEFINE_string(
+    "aime", SOURCES["aime-2024.parquet"], "AIME 2024: a local file or a Hub dataset id"
+)
 
 
 def prepare(source: str, out_path: str) -> dict:
@@ -43,8 +47,7 @@ def prepare(source: str, out_path: str) -> dict:
     for path in hub.resolve_data(os.path.expanduser(source), "source"):
         kept, n_rows, n_malformed, n_duplicates = data.unique_rows(path, seen)  # across files
         rows += kept
-        for key, n in (("rows", n_rows), ("malformed", n_malformed),
-                       ("duplicates", n_duplicates)):
+        for key, n in (("rows", n_rows), ("malformed", n_malformed), ("duplicates", n_duplicates)):
             counts[key] += n
     counts["problems"] = len(rows)
     if not rows:
@@ -59,16 +62,17 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
     if _OUT_DIR.value is None:
         raise app.UsageError("--out_dir is required")
-    for name, source in (("dapo-math-17k.parquet", _DAPO_MATH.value),
-                         ("aime-2024.parquet", _AIME.value)):
+    for name, source in (("dapo-math-17k.parquet", _DAPO_MATH.value), ("aime-2024.parquet", _AIME.value)):
         out = os.path.join(_OUT_DIR.value, name)
         try:
             n = prepare(source, out)
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
-        print(f"{out}: {n['problems']} problems from {n['rows']} rows of {source} "
-              f"({n['duplicates']} duplicates and {n['malformed']} malformed rows dropped)")
+        print(
+            f"{out}: {n['problems']} problems from {n['rows']} rows of {source} "
+            f"({n['duplicates']} duplicates and {n['malformed']} malformed rows dropped)"
+        )
 
 
 if __name__ == "__main__":

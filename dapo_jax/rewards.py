@@ -32,7 +32,7 @@ import time
 import numpy as np
 
 INVALID = "[INVALID]"  # no "Answer:" line in the last 300 characters
-ERROR = "[ERROR]"      # the reward fn raised, returned garbage, or killed its worker
+ERROR = "[ERROR]"  # the reward fn raised, returned garbage, or killed its worker
 TIMEOUT = "[TIMEOUT]"  # the reward fn ran past its time limit
 
 TAIL_CHARS = 300  # the recipe's window: "the longest answer in MATH-500 has 159 characters"
@@ -44,23 +44,69 @@ _ANSWER_RE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
 # "mbox" becomes "text" before the "\text{...}" rules, and "\text{m}" (metres) becomes "\text{}"
 # before "\text{}" is deleted. Words are deleted wherever they occur, even inside other words.
 _REPLACEMENTS = (
-    ("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""), ("mbox", "text"),
-    (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}"),
+    ("an ", ""),
+    ("a ", ""),
+    (".$", "$"),
+    ("\\$", ""),
+    ("\\ ", ""),
+    (" ", ""),
+    ("mbox", "text"),
+    (",\\text{and}", ","),
+    ("\\text{and}", ","),
+    ("\\text{m}", "\\text{}"),
 )
 _DELETIONS = (
-    "square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots",
-    "sue", "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds",
-    "meters", "meals", "edges", "students", "childrentickets", "multiples", "\\text{s}",
-    "\\text{.}", "\\text{\ns}", "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}",
-    "\\mathrm{th}", "^\\circ", "^{\\circ}", "\\;", ",\\!", "{,}", '"', "\\dots",
+    "square",
+    "ways",
+    "integers",
+    "dollars",
+    "mph",
+    "inches",
+    "hours",
+    "km",
+    "units",
+    "\\ldots",
+    "sue",
+    "points",
+    "feet",
+    "minutes",
+    "digits",
+    "cents",
+    "degrees",
+    "cm",
+    "gm",
+    "pounds",
+    "meters",
+    "meals",
+    "edges",
+    "students",
+    "childrentickets",
+    "multiples",
+    "\\text{s}",
+    "\\text{.}",
+    "\\text{\ns}",
+    "\\text{}^2",
+    "\\text{}^3",
+    "\\text{\n}",
+    "\\text{}",
+    "\\mathrm{th}",
+    "^\\circ",
+    "^{\\circ}",
+    "\\;",
+    ",\\!",
+    "{,}",
+    '"',
+    "\\dots",
 )
 # Regex rewrites, in order (`.` stops at a newline, as in the recipe):
-_FIRST_INLINE_MATH = re.compile(r".*?\$(.*?)\$.*")      # a line with $..$ keeps its first $..$
-_UNWRAPPED = tuple(re.compile(r"\\%s\{(.*?)\}" % command)  # \text{X}, \textbf{X}, \overline{X}
-                   for command in ("text", "textbf", "overline"))
-_BOXED = re.compile(r"\\boxed\{(.*)\}")                 # first "\boxed{" to the line's last "}"
-_FRAC_SHORTHAND = re.compile(r"frac([^{])(.)")           # \frac12 -> \frac{1}{2}
-_SQRT_SHORTHAND = re.compile(r"sqrt([^{])")              # \sqrt2 -> \sqrt{2}
+_FIRST_INLINE_MATH = re.compile(r".*?\$(.*?)\$.*")  # a line with $..$ keeps its first $..$
+_UNWRAPPED = tuple(
+    re.compile("\\\\" + command + r"\{(.*?)\}")  # \text{X}, \textbf{X}, \overline{X}
+    for command in ("text", "textbf", "overline")
+)
+_BOXED = re.compile(r"\\boxed\{(.*)\}")  # first "\boxed{" to the line's last "}"
+_FRAC_SHORTHAND = re.compile(r"frac([^{])(.)")  # \frac12 -> \frac{1}{2}
+_SQRT_SHORTHAND = re.compile(r"sqrt([^{])")  # \sqrt2 -> \sqrt{2}
 
 
 def normalize_final_answer(answer: str) -> str:
@@ -130,8 +176,7 @@ def _import_math_verify():
     try:
         return importlib.import_module("math_verify")
     except ImportError as e:
-        raise ImportError("reward fn 'math_verify' needs an optional package: "
-                          "pip install math-verify") from e
+        raise ImportError("reward fn 'math_verify' needs an optional package: pip install math-verify") from e
 
 
 REWARD_FNS = {"math_dapo": math_dapo_score, "math_verify": math_verify_score}
@@ -148,8 +193,10 @@ class RewardPlugin:
     def __init__(self, spec: str):
         source, _, self.function = spec.rpartition(":")
         if not source or not self.function:
-            raise ValueError(f"reward.fn {spec!r}: expected a registry name {sorted(REWARD_FNS)}, "
-                             "'module:function' or 'path/to/file.py:function'")
+            raise ValueError(
+                f"reward.fn {spec!r}: expected a registry name {sorted(REWARD_FNS)}, "
+                "'module:function' or 'path/to/file.py:function'"
+            )
         self.source = os.path.abspath(source) if source.endswith(".py") else source
         self.spec = spec
         self._fn = None
@@ -163,25 +210,29 @@ class RewardPlugin:
             module = _import_source(self.source, self.spec)
             fn = getattr(module, self.function, None)
             if not callable(fn):
-                names = sorted(n for n, v in vars(module).items()
-                               if callable(v) and not n.startswith("_"))
-                raise ValueError(f"reward.fn {self.spec!r}: {self.source} has no function "
-                                 f"{self.function!r}; it defines {names}")
+                names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+                raise ValueError(
+                    f"reward.fn {self.spec!r}: {self.source} has no function "
+                    f"{self.function!r}; it defines {names}"
+                )
             self._fn = fn
         return self._fn
 
-    def __call__(self, response: str, ground_truth: str, data_source: str = "",
-                 extra_info=None) -> dict:
-        result = self._load()(response, ground_truth, data_source=data_source,
-                              extra_info=extra_info)
+    def __call__(self, response: str, ground_truth: str, data_source: str = "", extra_info=None) -> dict:
+        result = self._load()(response, ground_truth, data_source=data_source, extra_info=extra_info)
         if isinstance(result, (int, float)) and not isinstance(result, bool):
             return {"score": float(result), "acc": result > 0, "pred": ""}
         if isinstance(result, dict) and "score" in result:
             score = float(result["score"])
-            return {"score": score, "acc": bool(result.get("acc", score > 0)),
-                    "pred": str(result.get("pred", ""))}
-        raise TypeError(f"{self.spec} returned {result!r}: return a float or a dict with "
-                        "'score' (and optionally 'acc', 'pred')")
+            return {
+                "score": score,
+                "acc": bool(result.get("acc", score > 0)),
+                "pred": str(result.get("pred", "")),
+            }
+        raise TypeError(
+            f"{self.spec} returned {result!r}: return a float or a dict with "
+            "'score' (and optionally 'acc', 'pred')"
+        )
 
 
 def _import_source(source: str, spec: str):
@@ -197,13 +248,14 @@ def _import_source(source: str, spec: str):
             return module
         return importlib.import_module(source)
     except ModuleNotFoundError as e:
-        raise ValueError(f"reward.fn {spec!r}: no module named {e.name!r} (put it on "
-                         "PYTHONPATH, or name a file: path/to/file.py:function)") from None
+        raise ValueError(
+            f"reward.fn {spec!r}: no module named {e.name!r} (put it on "
+            "PYTHONPATH, or name a file: path/to/file.py:function)"
+        ) from None
     except ValueError:
         raise
     except Exception as e:  # noqa: BLE001 - whatever the user's module raises on import
-        raise ValueError(f"reward.fn {spec!r}: importing {source} raised "
-                         f"{type(e).__name__}: {e}") from None
+        raise ValueError(f"reward.fn {spec!r}: importing {source} raised {type(e).__name__}: {e}") from None
 
 
 def get_reward_fn(name: str):
@@ -212,8 +264,10 @@ def get_reward_fn(name: str):
     if ":" in name:
         return RewardPlugin(name)
     if name not in REWARD_FNS:
-        raise ValueError(f"unknown reward fn {name!r}; valid names: {sorted(REWARD_FNS)}, or "
-                         "'module:function', or 'path/to/file.py:function'")
+        raise ValueError(
+            f"unknown reward fn {name!r}; valid names: {sorted(REWARD_FNS)}, or "
+            "'module:function', or 'path/to/file.py:function'"
+        )
     if name == "math_verify":
         _import_math_verify()
     return REWARD_FNS[name]
@@ -227,12 +281,12 @@ def overlong_penalty(length: int, max_len: int, buffer_len: int, factor: float =
     return float(overlong_penalties([length], max_len, buffer_len, factor)[0])
 
 
-def overlong_penalties(lengths_B, max_len: int, buffer_len: int, factor: float = 1.0,
-                       enabled: bool = True) -> np.ndarray:
+def overlong_penalties(
+    lengths_B, max_len: int, buffer_len: int, factor: float = 1.0, enabled: bool = True
+) -> np.ndarray:
     """`overlong_penalty` over a batch of lengths (float64); all zeros when not `enabled`."""
     if not 0 < buffer_len <= max_len:
-        raise ValueError(f"need 0 < buffer_len <= max_len, got buffer_len={buffer_len}, "
-                         f"max_len={max_len}")
+        raise ValueError(f"need 0 < buffer_len <= max_len, got buffer_len={buffer_len}, max_len={max_len}")
     lengths_B = np.asarray(lengths_B, np.float64)
     if not enabled:
         return np.zeros_like(lengths_B)
@@ -277,8 +331,7 @@ class _Worker:
     def __init__(self, reward_fn):
         context = multiprocessing.get_context("spawn")
         self.conn, child_conn = context.Pipe()
-        self.process = context.Process(target=_worker_loop, args=(child_conn, reward_fn),
-                                       daemon=True)
+        self.process = context.Process(target=_worker_loop, args=(child_conn, reward_fn), daemon=True)
         self.process.start()
         child_conn.close()
         self.ready = False
@@ -317,11 +370,19 @@ class RewardScorer:
     parent runs jax threads). Use as a context manager, or call `close()`.
     """
 
-    def __init__(self, reward_fn, timeout_s: float = 10.0, num_workers: int = 2,
-                 chunk_size: int = 64, startup_timeout_s: float = 120.0):
+    def __init__(
+        self,
+        reward_fn,
+        timeout_s: float = 10.0,
+        num_workers: int = 2,
+        chunk_size: int = 64,
+        startup_timeout_s: float = 120.0,
+    ):
         if timeout_s <= 0 or num_workers < 1 or chunk_size < 1:
-            raise ValueError(f"need timeout_s > 0, num_workers >= 1, chunk_size >= 1; got "
-                             f"{timeout_s}, {num_workers}, {chunk_size}")
+            raise ValueError(
+                f"need timeout_s > 0, num_workers >= 1, chunk_size >= 1; got "
+                f"{timeout_s}, {num_workers}, {chunk_size}"
+            )
         self._reward_fn, self._timeout_s = reward_fn, timeout_s
         self._chunk_size, self._startup_timeout_s = chunk_size, startup_timeout_s
         self._workers = [_Worker(reward_fn) for _ in range(num_workers)]
@@ -353,7 +414,8 @@ class RewardScorer:
                 deadline = time.monotonic() + self._startup_timeout_s
             waiting = [w.conn for w in self._workers if w.busy or not w.ready]
             ready_conns = multiprocessing.connection.wait(
-                waiting, timeout=max(deadline - time.monotonic(), 0.0))
+                waiting, timeout=max(deadline - time.monotonic(), 0.0)
+            )
             if not busy and not ready_conns:
                 raise RuntimeError(f"no reward worker started within {self._startup_timeout_s} s")
             for slot, worker in enumerate(self._workers):
@@ -389,8 +451,10 @@ class RewardScorer:
                 status, payload = worker.conn.recv()
             except (EOFError, OSError):
                 if not worker.ready:
-                    raise RuntimeError("a reward worker died on start; reward_fn must be a "
-                                       "top-level function importable in a fresh process")
+                    raise RuntimeError(
+                        "a reward worker died on start; reward_fn must be a "
+                        "top-level function importable in a fresh process"
+                    ) from None
                 self._fail_current(slot, "error", "its worker process died")
                 return
             if status == "ready":
@@ -407,14 +471,17 @@ class RewardScorer:
         worker = self._workers[slot]
         i = worker.chunk[worker.position]
         self._results[i] = self._failure(kind, detail, *self._items[i])
-        self._todo.extendleft(reversed(worker.chunk[worker.position + 1:]))
+        self._todo.extendleft(reversed(worker.chunk[worker.position + 1 :]))
         self._replace(slot)
 
     def _checked(self, status, payload, response, ground_truth, _context) -> dict:
         if status == "ok":
             try:
-                return {"score": float(payload["score"]), "acc": bool(payload["acc"]),
-                        "pred": str(payload["pred"])}
+                return {
+                    "score": float(payload["score"]),
+                    "acc": bool(payload["acc"]),
+                    "pred": str(payload["pred"]),
+                }
             except (TypeError, KeyError, ValueError) as e:
                 payload = f"malformed result {payload!r} ({type(e).__name__}: {e})"
         return self._failure("error", payload, response, ground_truth)
@@ -423,9 +490,14 @@ class RewardScorer:
         self._stats[f"n_{kind}"] += 1
         if kind not in self._logged_kinds:
             self._logged_kinds.add(kind)
-            logging.warning("reward fn %s: %s (logged once; later ones are only counted). "
-                            "Response tail %r, ground truth %r", kind, detail,
-                            response[-TAIL_CHARS:], ground_truth)
+            logging.warning(
+                "reward fn %s: %s (logged once; later ones are only counted). "
+                "Response tail %r, ground truth %r",
+                kind,
+                detail,
+                response[-TAIL_CHARS:],
+                ground_truth,
+            )
         return {"score": -1.0, "acc": False, "pred": TIMEOUT if kind == "timeout" else ERROR}
 
     def _replace(self, slot):
@@ -444,8 +516,9 @@ class RewardScorer:
         self.close()
 
 
-def score_batch(reward_fn, responses, ground_truths, timeout_s: float = 10.0,
-                num_workers: int = 2) -> tuple[list[dict], dict]:
+def score_batch(
+    reward_fn, responses, ground_truths, timeout_s: float = 10.0, num_workers: int = 2
+) -> tuple[list[dict], dict]:
     """One-off `RewardScorer(reward_fn, timeout_s, num_workers).score_batch(...)`."""
     with RewardScorer(reward_fn, timeout_s, num_workers) as scorer:
         return scorer.score_batch(responses, ground_truths)

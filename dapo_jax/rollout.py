@@ -25,79 +25,119 @@ from dapo_jax.sampler import Sampler
 class RewardShaping:
     """The overlong rules; lengths in tokens (L_max = the sampler's max_new_tokens)."""
 
-    max_len: int                # L_max
-    buffer_len: int             # L_buf
-    factor: float               # penalty at L = L_max
-    penalty: bool               # soft overlong punishment on
-    filter: bool                # overlong filtering: truncated responses carry no loss
+    max_len: int  # L_max
+    buffer_len: int  # L_buf
+    factor: float  # penalty at L = L_max
+    penalty: bool  # soft overlong punishment on
+    filter: bool  # overlong filtering: truncated responses carry no loss
 
     def __post_init__(self):  # the penalty's own check (0 < L_buf <= L_max), at construction
         rewards.overlong_penalties(np.zeros(0), self.max_len, self.buffer_len, self.factor)
 
 
-def sample_and_score(sampler: Sampler, params, examples: list[dict], group_size: int, rng,
-                     tokenizer, scorer: rewards.RewardScorer, prompt_len: int) -> GenerationBatch:
+def sample_and_score(
+    sampler: Sampler,
+    params,
+    examples: list[dict],
+    group_size: int,
+    rng,
+    tokenizer,
+    scorer: rewards.RewardScorer,
+    prompt_len: int,
+) -> GenerationBatch:
     """G responses to each of the P examples, decoded and scored: B = P x G rows.
 
     Prompts are left padded to `prompt_len`; the reward fn sees each row's `data_source` and
     `extra_info` too. The reward is not shaped yet: reward_B is the score and every response
     keeps its loss (`shape_rewards` applies the overlong rules).
     """
-    prompt_PxQ, pmask_PxQ = data.pad_prompts([ex["prompt_ids"] for ex in examples], prompt_len,
-                                             sampler.config.pad_id)
+    prompt_PxQ, pmask_PxQ = data.pad_prompts(
+        [ex["prompt_ids"] for ex in examples], prompt_len, sampler.config.pad_id
+    )
     out = sampler.generate(params, prompt_PxQ, pmask_PxQ, group_size, rng)  # trims to its bucket
     out = {k: sharding.to_host(v) for k, v in out.items()}
-    texts = tokenizer.batch_decode([row[:n] for row, n in zip(out["tokens"], out["length"])],
-                                   skip_special_tokens=True)
+    texts = tokenizer.batch_decode(
+        [row[:n] for row, n in zip(out["tokens"], out["length"])], skip_special_tokens=True
+    )
     truths = [ex["ground_truth"] for ex in examples for _ in range(group_size)]
-    contexts = [{"data_source": ex["data_source"], "extra_info": ex.get("extra_info")}
-                for ex in examples for _ in range(group_size)]
+    contexts = [
+        {"data_source": ex["data_source"], "extra_info": ex.get("extra_info")}
+        for ex in examples
+        for _ in range(group_size)
+    ]
     results, _ = scorer.score_batch(texts, truths, contexts)
     repeat = lambda x: np.repeat(x, group_size, axis=0)
     score_B = np.asarray([r["score"] for r in results], np.float32)
     return GenerationBatch(
-        prompt_tokens_BxQ=repeat(prompt_PxQ), prompt_mask_BxQ=repeat(pmask_PxQ),
-        tokens_BxN=out["tokens"], mask_BxN=out["mask"], logp_BxN=out["logp"],
-        length_B=out["length"].astype(np.int32), truncated_B=out["truncated"].astype(bool),
+        prompt_tokens_BxQ=repeat(prompt_PxQ),
+        prompt_mask_BxQ=repeat(pmask_PxQ),
+        tokens_BxN=out["tokens"],
+        mask_BxN=out["mask"],
+        logp_BxN=out["logp"],
+        length_B=out["length"].astype(np.int32),
+        truncated_B=out["truncated"].astype(bool),
         problem_id_B=repeat(np.asarray([ex["problem_id"] for ex in examples], np.int32)),
-        response_B=np.asarray(texts, str), pred_B=np.asarray([r["pred"] for r in results], str),
-        score_B=score_B, acc_B=np.asarray([r["acc"] for r in results], bool),
-        reward_B=score_B, loss_keep_B=np.ones(len(results), bool))
+        response_B=np.asarray(texts, str),
+        pred_B=np.asarray([r["pred"] for r in results], str),
+        score_B=score_B,
+        acc_B=np.asarray([r["acc"] for r in results], bool),
+        reward_B=score_B,
+        loss_keep_B=np.ones(len(results), bool),
+    )
 
 
 def shape_rewards(batch: GenerationBatch, shaping: RewardShaping) -> GenerationBatch:
     """The batch with the shaped reward R_i = score_i + overlong_penalty(|o_i|) and the
     per-response loss keep flag (False for truncated responses under overlong filtering)."""
-    penalty_B = rewards.overlong_penalties(batch.length_B, shaping.max_len, shaping.buffer_len,
-                                           shaping.factor, enabled=shaping.penalty)
+    penalty_B = rewards.overlong_penalties(
+        batch.length_B, shaping.max_len, shaping.buffer_len, shaping.factor, enabled=shaping.penalty
+    )
     return dataclasses.replace(
-        batch, reward_B=(batch.score_B + penalty_B).astype(np.float32),
-        loss_keep_B=rewards.overlong_filter_mask(batch.truncated_B, enabled=shaping.filter))
+        batch,
+        reward_B=(batch.score_B + penalty_B).astype(np.float32),
+        loss_keep_B=rewards.overlong_filter_mask(batch.truncated_B, enabled=shaping.filter),
+    )
 
 
-def generation_batch(sampler, params, examples, group_size, rng, tokenizer, scorer, prompt_len,
-                     shaping: RewardShaping) -> GenerationBatch:
+def generation_batch(
+    sampler, params, examples, group_size, rng, tokenizer, scorer, prompt_len, shaping: RewardShaping
+) -> GenerationBatch:
     """One generation batch for the dynamic-sampling filter: sampled, scored and shaped."""
-    return shape_rewards(sample_and_score(sampler, params, examples, group_size, rng, tokenizer,
-                                          scorer, prompt_len), shaping)
+    return shape_rewards(
+        sample_and_score(sampler, params, examples, group_size, rng, tokenizer, scorer, prompt_len), shaping
+    )
 
 
-def evaluate(sampler, params, examples, samples: int, rng, tokenizer, scorer, prompt_len,
-             batch_prompts: int, sample_rows: list | None = None, ks=None) -> dict:
+def evaluate(
+    sampler,
+    params,
+    examples,
+    samples: int,
+    rng,
+    tokenizer,
+    scorer,
+    prompt_len,
+    batch_prompts: int,
+    sample_rows: list | None = None,
+    ks=None,
+) -> dict:
     """avg@n, pass@k and maj@k (k in `ks`, default n alone) over n = `samples` responses per
     held-out problem, with their standard errors, plus mean length.
     Every sample is appended to `sample_rows` when given (prompt, response, extracted answer,
     ground truth, score, acc, length, truncated)."""
     records, lengths = [], []
-    chunks = [examples[i:i + batch_prompts] for i in range(0, len(examples), batch_prompts)]
+    chunks = [examples[i : i + batch_prompts] for i in range(0, len(examples), batch_prompts)]
     for i, chunk in enumerate(tqdm.tqdm(chunks, desc="eval", leave=False, disable=None)):
         if len(chunk) < batch_prompts:  # keep one compiled shape: pad with repeats, drop after
             chunk = chunk + [chunk[-1]] * (batch_prompts - len(chunk))
-        n_real = len(examples[i * batch_prompts:(i + 1) * batch_prompts]) * samples
-        out = sample_and_score(sampler, params, chunk, samples, jax.random.fold_in(rng, i),
-                               tokenizer, scorer, prompt_len)
-        records += [{"problem_id": int(p), "pred": str(pred), "acc": bool(a)} for p, pred, a in
-                    zip(out.problem_id_B[:n_real], out.pred_B[:n_real], out.acc_B[:n_real])]
+        n_real = len(examples[i * batch_prompts : (i + 1) * batch_prompts]) * samples
+        out = sample_and_score(
+            sampler, params, chunk, samples, jax.random.fold_in(rng, i), tokenizer, scorer, prompt_len
+        )
+        records += [
+            {"problem_id": int(p), "pred": str(pred), "acc": bool(a)}
+            for p, pred, a in zip(out.problem_id_B[:n_real], out.pred_B[:n_real], out.acc_B[:n_real])
+        ]
         lengths.append(out.length_B[:n_real])
         if sample_rows is not None:
             sample_rows += _sample_rows(chunk, samples, out, n_real)
@@ -107,15 +147,23 @@ def evaluate(sampler, params, examples, samples: int, rng, tokenizer, scorer, pr
     return metrics
 
 
-def _sample_rows(examples: list[dict], samples: int, out: GenerationBatch,
-                 n_real: int) -> list[dict]:
+def _sample_rows(examples: list[dict], samples: int, out: GenerationBatch, n_real: int) -> list[dict]:
     """One readable record per sample of `sample_and_score`'s output (the first n_real rows)."""
     rows = []
     for b in range(n_real):
         example = examples[b // samples]
-        rows.append({"problem_id": int(out.problem_id_B[b]), "sample": b % samples,
-                     "prompt": example["prompt_text"], "response": str(out.response_B[b]),
-                     "pred": str(out.pred_B[b]), "ground_truth": example["ground_truth"],
-                     "score": float(out.score_B[b]), "acc": bool(out.acc_B[b]),
-                     "length": int(out.length_B[b]), "truncated": bool(out.truncated_B[b])})
+        rows.append(
+            {
+                "problem_id": int(out.problem_id_B[b]),
+                "sample": b % samples,
+                "prompt": example["prompt_text"],
+                "response": str(out.response_B[b]),
+                "pred": str(out.pred_B[b]),
+                "ground_truth": example["ground_truth"],
+                "score": float(out.score_B[b]),
+                "acc": bool(out.acc_B[b]),
+                "length": int(out.length_B[b]),
+                "truncated": bool(out.truncated_B[b]),
+            }
+        )
     return rows

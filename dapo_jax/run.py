@@ -16,31 +16,65 @@ import ml_collections
 from absl import logging
 from etils import epath
 
-from dapo_jax import (data, dynamic_sampling, hf_io, metrics, model, objective, overrides,
-                      rewards, rollout, sharding, train_step)
+from dapo_jax import (
+    data,
+    dynamic_sampling,
+    hf_io,
+    metrics,
+    model,
+    objective,
+    overrides,
+    rewards,
+    rollout,
+    sharding,
+    train_step,
+)
 from dapo_jax.errors import ConfigError
 from dapo_jax.sampler import Sampler, SamplingConfig
 
 # The range of every numeric knob, as an interval: "[a, b)" includes a and excludes b.
 _RANGES = {
-    "train.steps": "[1, inf)", "train.train_batch_prompts": "[1, inf)",
-    "train.mini_batch_prompts": "[1, inf)", "train.micro_batch_size": "[1, inf)",
-    "train.length_bucket": "[1, inf)", "train.max_consecutive_nonfinite": "[1, inf)",
-    "rollout.group_size": "[1, inf)", "rollout.max_new_tokens": "[1, inf)",
-    "rollout.temperature": "(0, inf)", "rollout.top_p": "(0, 1]", "rollout.top_k": "[0, inf)",
+    "train.steps": "[1, inf)",
+    "train.train_batch_prompts": "[1, inf)",
+    "train.mini_batch_prompts": "[1, inf)",
+    "train.micro_batch_size": "[1, inf)",
+    "train.length_bucket": "[1, inf)",
+    "train.max_consecutive_nonfinite": "[1, inf)",
+    "rollout.group_size": "[1, inf)",
+    "rollout.max_new_tokens": "[1, inf)",
+    "rollout.temperature": "(0, inf)",
+    "rollout.top_p": "(0, 1]",
+    "rollout.top_k": "[0, inf)",
     "data.max_prompt_len": "[1, inf)",
-    "loss.eps_low": "[0, 1)", "loss.eps_high": "[0, inf)", "loss.clip_ratio_c": "[0, inf)",
-    "loss.norm_const": "[0, inf)", "loss.beta": "[0, inf)", "loss.entropy_coef": "[0, inf)",
-    "optim.lr": "(0, inf)", "optim.warmup_rollout_steps": "[0, inf)",
-    "optim.weight_decay": "[0, inf)", "optim.grad_clip": "(0, inf)", "optim.b1": "[0, 1)",
-    "optim.b2": "[0, 1)", "optim.eps": "(0, inf)",
-    "reward.timeout_s": "(0, inf)", "reward.num_workers": "[1, inf)",
-    "reward.overlong_buffer": "[1, inf)", "reward.overlong_factor": "[0, inf)",
-    "filter.gen_batch_prompts": "[1, inf)", "filter.max_num_gen_batches": "[0, inf)",
-    "checkpoint.every": "[1, inf)", "checkpoint.keep": "[1, inf)",
-    "eval.every": "[0, inf)", "eval.samples": "[1, inf)", "eval.temperature": "(0, inf)",
-    "eval.top_p": "(0, 1]", "eval.max_problems": "[0, inf)", "eval.batch_prompts": "[1, inf)",
-    "model.attention_chunk": "[0, inf)", "model.logits_chunk": "[0, inf)",
+    "loss.eps_low": "[0, 1)",
+    "loss.eps_high": "[0, inf)",
+    "loss.clip_ratio_c": "[0, inf)",
+    "loss.norm_const": "[0, inf)",
+    "loss.beta": "[0, inf)",
+    "loss.entropy_coef": "[0, inf)",
+    "optim.lr": "(0, inf)",
+    "optim.warmup_rollout_steps": "[0, inf)",
+    "optim.weight_decay": "[0, inf)",
+    "optim.grad_clip": "(0, inf)",
+    "optim.b1": "[0, 1)",
+    "optim.b2": "[0, 1)",
+    "optim.eps": "(0, inf)",
+    "reward.timeout_s": "(0, inf)",
+    "reward.num_workers": "[1, inf)",
+    "reward.overlong_buffer": "[1, inf)",
+    "reward.overlong_factor": "[0, inf)",
+    "filter.gen_batch_prompts": "[1, inf)",
+    "filter.max_num_gen_batches": "[0, inf)",
+    "checkpoint.every": "[1, inf)",
+    "checkpoint.keep": "[1, inf)",
+    "eval.every": "[0, inf)",
+    "eval.samples": "[1, inf)",
+    "eval.temperature": "(0, inf)",
+    "eval.top_p": "(0, 1]",
+    "eval.max_problems": "[0, inf)",
+    "eval.batch_prompts": "[1, inf)",
+    "model.attention_chunk": "[0, inf)",
+    "model.logits_chunk": "[0, inf)",
     "rollout.micro_batch_prompts": "[0, inf)",
 }
 
@@ -75,6 +109,7 @@ def check_workdir(workdir: str) -> None:
 def check_config(c: ml_collections.ConfigDict) -> None:
     """One-line errors for out-of-range values, missing paths, bad data files and inconsistent
     sizes, before any compilation."""
+
     def need_file(path, what):
         if not os.path.exists(path):
             raise ConfigError(f"{what} {path!r} does not exist")
@@ -87,31 +122,40 @@ def check_config(c: ml_collections.ConfigDict) -> None:
         need_file(os.path.join(c.reference.path, "config.json"), "reference model: file")
     tokenizer_dir = c.model.tokenizer_path or c.model.path
     if not hf_io.has_tokenizer(tokenizer_dir):
-        raise ConfigError(f"tokenizer directory {tokenizer_dir!r} holds no tokenizer (one of "
-                          f"{', '.join(hf_io.TOKENIZER_FILES)}): set model.tokenizer_path to the "
-                          "folder of the model's tokenizer")
+        raise ConfigError(
+            f"tokenizer directory {tokenizer_dir!r} holds no tokenizer (one of "
+            f"{', '.join(hf_io.TOKENIZER_FILES)}): set model.tokenizer_path to the "
+            "folder of the model's tokenizer"
+        )
     if not c.data.train_files:
         raise ConfigError("config.data.train_files is empty")
     for f in list(c.data.train_files) + list(c.data.eval_files):
         data.check_data_file(f)
     if not c.data.prompt_buckets or min(c.data.prompt_buckets) < 1:
-        raise ConfigError(f"data.prompt_buckets must be positive lengths, got "
-                          f"{tuple(c.data.prompt_buckets)}")
+        raise ConfigError(f"data.prompt_buckets must be positive lengths, got {tuple(c.data.prompt_buckets)}")
     if c.data.max_prompt_len > max(c.data.prompt_buckets):
-        raise ConfigError(f"data.max_prompt_len {c.data.max_prompt_len} exceeds the largest "
-                          f"prompt bucket {max(c.data.prompt_buckets)}")
+        raise ConfigError(
+            f"data.max_prompt_len {c.data.max_prompt_len} exceeds the largest "
+            f"prompt bucket {max(c.data.prompt_buckets)}"
+        )
     if c.reward.overlong_buffer > c.rollout.max_new_tokens:
-        raise ConfigError(f"reward.overlong_buffer {c.reward.overlong_buffer} exceeds "
-                          f"rollout.max_new_tokens {c.rollout.max_new_tokens}")
+        raise ConfigError(
+            f"reward.overlong_buffer {c.reward.overlong_buffer} exceeds "
+            f"rollout.max_new_tokens {c.rollout.max_new_tokens}"
+        )
     if 0 < c.loss.clip_ratio_c <= 1:
         raise ConfigError(f"loss.clip_ratio_c must be 0 (off) or > 1, got {c.loss.clip_ratio_c}")
     if not hasattr(jax.checkpoint_policies, c.model.remat_policy):
-        raise ConfigError(f"model.remat_policy {c.model.remat_policy!r} is not a "
-                          "jax.checkpoint_policies name (e.g. nothing_saveable)")
+        raise ConfigError(
+            f"model.remat_policy {c.model.remat_policy!r} is not a "
+            "jax.checkpoint_policies name (e.g. nothing_saveable)"
+        )
     if c.loss.agg_mode not in objective.AGG_MODES:
         raise ConfigError(f"loss.agg_mode {c.loss.agg_mode!r} is not one of {objective.AGG_MODES}")
-    for section, make in (("reward", lambda: rewards.get_reward_fn(c.reward.fn)),
-                          ("filter", lambda: make_filter(c))):
+    for section, make in (
+        ("reward", lambda: rewards.get_reward_fn(c.reward.fn)),
+        ("filter", lambda: make_filter(c)),
+    ):
         try:  # the constructors' own checks (a reward plug-in is imported here, once, to check
             make()  # it), run now rather than after the model has loaded
         except (ValueError, ImportError) as e:
@@ -119,11 +163,15 @@ def check_config(c: ml_collections.ConfigDict) -> None:
     _check_tracking(c)
     t, g = c.train, c.rollout.group_size
     if t.train_batch_prompts % t.mini_batch_prompts:
-        raise ConfigError(f"train.train_batch_prompts {t.train_batch_prompts} is not a multiple "
-                          f"of train.mini_batch_prompts {t.mini_batch_prompts}")
+        raise ConfigError(
+            f"train.train_batch_prompts {t.train_batch_prompts} is not a multiple "
+            f"of train.mini_batch_prompts {t.mini_batch_prompts}"
+        )
     if (t.mini_batch_prompts * g) % t.micro_batch_size:
-        raise ConfigError(f"a mini-batch of {t.mini_batch_prompts} x G={g} responses does not "
-                          f"split into micro-batches of train.micro_batch_size {t.micro_batch_size}")
+        raise ConfigError(
+            f"a mini-batch of {t.mini_batch_prompts} x G={g} responses does not "
+            f"split into micro-batches of train.micro_batch_size {t.micro_batch_size}"
+        )
 
 
 def profile_steps(spec: str) -> set[int]:
@@ -145,8 +193,10 @@ def _check_tracking(c: ml_collections.ConfigDict) -> None:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if "wandb" in writers and importlib.util.find_spec("wandb") is None:
-        raise ConfigError("metrics.writers names wandb, which is not installed: pip install wandb "
-                          "(or the project's extra: pip install -e .[tracking])")
+        raise ConfigError(
+            "metrics.writers names wandb, which is not installed: pip install wandb "
+            "(or the project's extra: pip install -e .[tracking])"
+        )
     profile_steps(c.profile.steps)
 
 
@@ -162,13 +212,13 @@ class Run:
     tokenizer: object
     model: model.Transformer
     optimizer: object
-    train_step: object        # (state, mini-batch) -> (state, metrics), jitted and donated
-    logprobs_fn: object       # (params, tokens, mask) -> log pi(token_t | tokens_<t)
+    train_step: object  # (state, mini-batch) -> (state, metrics), jitted and donated
+    logprobs_fn: object  # (params, tokens, mask) -> log pi(token_t | tokens_<t)
     sampler: Sampler
     eval_sampler: Sampler
     scorer: rewards.RewardScorer
     shaping: rollout.RewardShaping
-    train_examples: list      # in load order; `data.PromptIterator` draws from them
+    train_examples: list  # in load order; `data.PromptIterator` draws from them
     eval_examples: list
     ref_params: object = None
 
@@ -176,10 +226,13 @@ class Run:
         """The train state as ShapeDtypeStructs with their shardings: a checkpoint's restore target."""
         abstract = jax.eval_shape(
             lambda p: train_step.TrainState(jnp.zeros((), jnp.int32), p, self.optimizer.init(p)),
-            sharding.abstract_params(self.model))
-        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                            abstract, train_step.state_shardings(self.model, self.optimizer,
-                                                                 self.mesh))
+            sharding.abstract_params(self.model),
+        )
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            abstract,
+            train_step.state_shardings(self.model, self.optimizer, self.mesh),
+        )
 
 
 def load_config_file(path: str):
@@ -203,19 +256,33 @@ def learning_rate_schedule(c: ml_collections.ConfigDict):
     """
     updates_per_step = c.train.train_batch_prompts // c.train.mini_batch_prompts
     return train_step.learning_rate_schedule(
-        c.optim.lr, c.optim.warmup_rollout_steps * updates_per_step, c.optim.schedule,
-        c.train.steps * updates_per_step)
+        c.optim.lr,
+        c.optim.warmup_rollout_steps * updates_per_step,
+        c.optim.schedule,
+        c.train.steps * updates_per_step,
+    )
 
 
 def _load_prompts(files, tokenizer, c, dedup):
     examples = []
     for f in files:
-        loaded = data.load_prompts(f, tokenizer, c.data.max_prompt_len,
-                                   template=c.data.prompt_template,
-                                   use_chat_template=c.data.use_chat_template, dedup=dedup)
-        logging.info("%s: %d prompts (%d malformed, %d duplicates, %d truncated, %d quoting the "
-                     "prompt template)", f, len(loaded.examples), loaded.n_malformed,
-                     loaded.n_duplicates, loaded.n_truncated, loaded.n_template_mismatch)
+        loaded = data.load_prompts(
+            f,
+            tokenizer,
+            c.data.max_prompt_len,
+            template=c.data.prompt_template,
+            use_chat_template=c.data.use_chat_template,
+            dedup=dedup,
+        )
+        logging.info(
+            "%s: %d prompts (%d malformed, %d duplicates, %d truncated, %d quoting the prompt template)",
+            f,
+            len(loaded.examples),
+            loaded.n_malformed,
+            loaded.n_duplicates,
+            loaded.n_truncated,
+            loaded.n_template_mismatch,
+        )
         examples += loaded.examples
     return examples
 
@@ -227,9 +294,14 @@ def _ids(x) -> tuple[int, ...]:
 def make_optimizer(c: ml_collections.ConfigDict):
     """`(optimizer, schedule)` of the config's optim section."""
     schedule = learning_rate_schedule(c)
-    optimizer = train_step.make_optimizer(schedule, weight_decay=c.optim.weight_decay,
-                                          max_grad_norm=c.optim.grad_clip, b1=c.optim.b1,
-                                          b2=c.optim.b2, eps=c.optim.eps)
+    optimizer = train_step.make_optimizer(
+        schedule,
+        weight_decay=c.optim.weight_decay,
+        max_grad_norm=c.optim.grad_clip,
+        b1=c.optim.b1,
+        b2=c.optim.b2,
+        eps=c.optim.eps,
+    )
     return optimizer, schedule
 
 
@@ -237,9 +309,15 @@ def model_numerics(c: ml_collections.ConfigDict) -> dict:
     """The ModelConfig fields that the config's `model` section sets (the rest come from
     config.json)."""
     m = c.model
-    return dict(dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat,
-                remat_policy=m.remat_policy, attention_chunk=m.attention_chunk,
-                scan_layers=m.scan_layers, logits_chunk=m.logits_chunk)
+    return dict(
+        dtype=m.dtype,
+        param_dtype=m.param_dtype,
+        remat=m.remat,
+        remat_policy=m.remat_policy,
+        attention_chunk=m.attention_chunk,
+        scan_layers=m.scan_layers,
+        logits_chunk=m.logits_chunk,
+    )
 
 
 def build(c: ml_collections.ConfigDict, workdir: str) -> Run:
@@ -248,54 +326,97 @@ def build(c: ml_collections.ConfigDict, workdir: str) -> Run:
     numerics = model_numerics(c)
     hf_config, mcfg = hf_io.check_model_folder(c.model.path, **numerics)
     if c.loss.beta > 0 and hf_io.check_model_folder(c.reference.path, **numerics)[1] != mcfg:
-        raise ConfigError(f"reference.path {c.reference.path!r} is not a model of the "
-                          f"architecture and sizes of model.path {c.model.path!r}")
+        raise ConfigError(
+            f"reference.path {c.reference.path!r} is not a model of the "
+            f"architecture and sizes of model.path {c.model.path!r}"
+        )
     m = model.Transformer(mcfg)
     tokenizer = hf_io.load_tokenizer(c.model.tokenizer_path or c.model.path)
     hf_io.check_vocab(mcfg, tokenizer, os.path.join(c.model.path, "config.json"))
     eos = tuple(sorted({tokenizer.eos_token_id, *_ids(hf_config.get("eos_token_id"))}))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    sampling = dict(max_new_tokens=c.rollout.max_new_tokens, eos_ids=eos, pad_id=pad,
-                    prompt_buckets=tuple(c.data.prompt_buckets), top_k=c.rollout.top_k)
-    sampler = Sampler(m, SamplingConfig(temperature=c.rollout.temperature, top_p=c.rollout.top_p,
-                                        **sampling), mesh, c.rollout.micro_batch_prompts)
-    eval_sampler = Sampler(m, SamplingConfig(temperature=c.eval.temperature, top_p=c.eval.top_p,
-                                             **sampling), mesh)
+    sampling = dict(
+        max_new_tokens=c.rollout.max_new_tokens,
+        eos_ids=eos,
+        pad_id=pad,
+        prompt_buckets=tuple(c.data.prompt_buckets),
+        top_k=c.rollout.top_k,
+    )
+    sampler = Sampler(
+        m,
+        SamplingConfig(temperature=c.rollout.temperature, top_p=c.rollout.top_p, **sampling),
+        mesh,
+        c.rollout.micro_batch_prompts,
+    )
+    eval_sampler = Sampler(
+        m, SamplingConfig(temperature=c.eval.temperature, top_p=c.eval.top_p, **sampling), mesh
+    )
     optimizer, schedule = make_optimizer(c)
     loss_cfg = loss_config(c)
     g = c.rollout.group_size
     step_fn = train_step.make_train_step(
-        m, optimizer, schedule, loss_cfg, mesh, c.train.mini_batch_prompts * g // c.train.micro_batch_size)
+        m, optimizer, schedule, loss_cfg, mesh, c.train.mini_batch_prompts * g // c.train.micro_batch_size
+    )
     logprobs_fn = train_step.make_compute_logprobs(
-        m, mesh, c.rollout.temperature, c.train.train_batch_prompts * g // c.train.micro_batch_size)
+        m, mesh, c.rollout.temperature, c.train.train_batch_prompts * g // c.train.micro_batch_size
+    )
     shaping = rollout.RewardShaping(
-        max_len=c.rollout.max_new_tokens, buffer_len=c.reward.overlong_buffer,
-        factor=c.reward.overlong_factor, penalty=c.reward.overlong_penalty,
-        filter=c.reward.overlong_filter)
+        max_len=c.rollout.max_new_tokens,
+        buffer_len=c.reward.overlong_buffer,
+        factor=c.reward.overlong_factor,
+        penalty=c.reward.overlong_penalty,
+        filter=c.reward.overlong_filter,
+    )
     eval_examples = _load_prompts(c.data.eval_files, tokenizer, c, dedup=True)
     if c.eval.max_problems:
-        eval_examples = eval_examples[:c.eval.max_problems]
+        eval_examples = eval_examples[: c.eval.max_problems]
     train_examples = _load_prompts(c.data.train_files, tokenizer, c, c.data.dedup)
     ref_params = hf_io.load_params(c.reference.path, m, mesh) if c.loss.beta > 0 else None
-    scorer = rewards.RewardScorer(rewards.get_reward_fn(c.reward.fn), c.reward.timeout_s,
-                                  c.reward.num_workers)
-    return Run(c, workdir, mesh, hf_config, tokenizer, m, optimizer, step_fn, logprobs_fn,
-               sampler, eval_sampler, scorer, shaping, train_examples, eval_examples, ref_params)
+    scorer = rewards.RewardScorer(
+        rewards.get_reward_fn(c.reward.fn), c.reward.timeout_s, c.reward.num_workers
+    )
+    return Run(
+        c,
+        workdir,
+        mesh,
+        hf_config,
+        tokenizer,
+        m,
+        optimizer,
+        step_fn,
+        logprobs_fn,
+        sampler,
+        eval_sampler,
+        scorer,
+        shaping,
+        train_examples,
+        eval_examples,
+        ref_params,
+    )
 
 
 def loss_config(c: ml_collections.ConfigDict) -> train_step.LossConfig:
     """The policy loss's knobs: config.loss's keys of the same names (normalize_std belongs to
     the advantages), 0 meaning off for c and L_max for L_const, the rollout's temperature."""
     same_name = {f.name for f in dataclasses.fields(train_step.LossConfig)} & set(c.loss)
-    return train_step.LossConfig(**{
-        **{k: c.loss[k] for k in same_name}, "clip_ratio_c": c.loss.clip_ratio_c or None,
-        "norm_const": c.loss.norm_const or c.rollout.max_new_tokens,
-        "temperature": c.rollout.temperature})
+    return train_step.LossConfig(
+        **{
+            **{k: c.loss[k] for k in same_name},
+            "clip_ratio_c": c.loss.clip_ratio_c or None,
+            "norm_const": c.loss.norm_const or c.rollout.max_new_tokens,
+            "temperature": c.rollout.temperature,
+        }
+    )
 
 
 def make_filter(c: ml_collections.ConfigDict) -> dynamic_sampling.DynamicSampler:
     """The config's dynamic-sampling filter (config.filter), empty."""
     return dynamic_sampling.DynamicSampler(
-        c.train.train_batch_prompts, c.rollout.group_size, c.filter.max_num_gen_batches,
-        filter_groups=c.filter.enable, metric=c.filter.metric, carry_over=c.filter.carry_over,
-        on_exhausted=c.filter.on_exhausted)
+        c.train.train_batch_prompts,
+        c.rollout.group_size,
+        c.filter.max_num_gen_batches,
+        filter_groups=c.filter.enable,
+        metric=c.filter.metric,
+        carry_over=c.filter.carry_over,
+        on_exhausted=c.filter.on_exhausted,
+    )

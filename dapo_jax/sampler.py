@@ -35,11 +35,19 @@ import numpy as np
 from jax.sharding import Mesh
 
 from dapo_jax import sharding
-from dapo_jax.model import (KEY_TILE, KVCache, Rope, Transformer, cache_layer_axes,
-                            causal_attention_mask, init_cache, positions_from_mask, rope_tables)
+from dapo_jax.model import (
+    KEY_TILE,
+    KVCache,
+    Rope,
+    Transformer,
+    cache_layer_axes,
+    causal_attention_mask,
+    init_cache,
+    positions_from_mask,
+    rope_tables,
+)
 
-_CACHE_AXES = KVCache(k=("batch", "kv_heads", "length", None, None),
-                      v=("batch", "kv_heads", "length", None))
+_CACHE_AXES = KVCache(k=("batch", "kv_heads", "length", None, None), v=("batch", "kv_heads", "length", None))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +67,11 @@ class SamplingConfig:
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not self.prompt_buckets or list(self.prompt_buckets) != sorted(set(self.prompt_buckets)) \
-                or self.prompt_buckets[0] < 1:
+        if (
+            not self.prompt_buckets
+            or list(self.prompt_buckets) != sorted(set(self.prompt_buckets))
+            or self.prompt_buckets[0] < 1
+        ):
             raise ValueError(f"prompt_buckets must be positive and ascending, got {self.prompt_buckets}")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0 (use greedy=True), got {self.temperature}")
@@ -81,8 +92,9 @@ def prefill(model: Transformer, params, tokens_PxT, mask_PxT, cache_len: int):
     if t == 0:
         return caches
     attn_PxTxS = jnp.pad(causal_attention_mask(mask_PxT), ((0, 0), (0, 0), (0, cache_len - t)))
-    _, caches = model.apply({"params": params}, tokens_PxT, positions_from_mask(mask_PxT),
-                            attn_PxTxS, caches, 0)
+    _, caches = model.apply(
+        {"params": params}, tokens_PxT, positions_from_mask(mask_PxT), attn_PxTxS, caches, 0
+    )
     return caches
 
 
@@ -90,8 +102,9 @@ def decode_step(model: Transformer, params, tokens_B, positions_B, attn_BxS, cac
     """Feed one token per row at cache `slot`; returns `(logits_BxV, caches)`. `positions_B` may be
     given as their `rope_tables` (of shape [B, 1])."""
     positions_Bx1 = positions_B if isinstance(positions_B, Rope) else positions_B[:, None]
-    logits_Bx1xV, caches = model.apply({"params": params}, tokens_B[:, None], positions_Bx1,
-                                       attn_BxS[:, None, :], caches, slot)
+    logits_Bx1xV, caches = model.apply(
+        {"params": params}, tokens_B[:, None], positions_Bx1, attn_BxS[:, None, :], caches, slot
+    )
     return logits_Bx1xV[:, 0], caches
 
 
@@ -195,18 +208,22 @@ def cache_slots(caches) -> int:
 def _grow(caches, slots: int):
     """Caches extended with empty slots up to `slots` (whole key tiles)."""
     lead = cache_layer_axes(caches)
-    pad = lambda x, axis, size: jnp.pad(x, [(0, size - x.shape[axis]) if a == axis else (0, 0)
-                                            for a in range(x.ndim)])
-    grown = [KVCache(pad(c.k, 2 + lead, slots // KEY_TILE), pad(c.v, 2 + lead, slots))
-             for c in _cache_list(caches)]
+    pad = lambda x, axis, size: jnp.pad(
+        x, [(0, size - x.shape[axis]) if a == axis else (0, 0) for a in range(x.ndim)]
+    )
+    grown = [
+        KVCache(pad(c.k, 2 + lead, slots // KEY_TILE), pad(c.v, 2 + lead, slots)) for c in _cache_list(caches)
+    ]
     return _from_list(grown, caches)
 
 
 def _constrain_caches(caches):
     """Caches laid out as `_CACHE_AXES` (behind the layer axis of a stacked cache)."""
     lead = ("layers",) * cache_layer_axes(caches)
-    out = [KVCache(*(nn.with_logical_constraint(x, lead + axes) for x, axes in zip(c, _CACHE_AXES)))
-           for c in _cache_list(caches)]
+    out = [
+        KVCache(*(nn.with_logical_constraint(x, lead + axes) for x, axes in zip(c, _CACHE_AXES)))
+        for c in _cache_list(caches)
+    ]
     return _from_list(out, caches)
 
 
@@ -216,8 +233,9 @@ def _repeat_caches(caches, n: int):
     return jax.tree.map(lambda x: jnp.repeat(x, n, axis=axis), caches)
 
 
-def rollout(model: Transformer, config: SamplingConfig, n: int, params, prompt_PxL, mask_PxL,
-            uids_P, rng) -> dict:
+def rollout(
+    model: Transformer, config: SamplingConfig, n: int, params, prompt_PxL, mask_PxL, uids_P, rng
+) -> dict:
     """G = `n` completions of each of P left-padded prompts (pure; jitted by `Sampler`)."""
     p, l = prompt_PxL.shape
     n_new, b = config.max_new_tokens, p * n
@@ -232,7 +250,8 @@ def rollout(model: Transformer, config: SamplingConfig, n: int, params, prompt_P
     first_pos_B = repeat(mask_PxL.sum(-1, dtype=jnp.int32) - 1)
     rope_1xP = rope_tables(jnp.arange(l + n_new)[None], model.config)  # all positions rows reach
     row_keys_B = jax.vmap(jax.random.fold_in)(
-        repeat(jax.vmap(jax.random.fold_in, (None, 0))(rng, uids_P)), jnp.tile(jnp.arange(n), p))
+        repeat(jax.vmap(jax.random.fold_in, (None, 0))(rng, uids_P)), jnp.tile(jnp.arange(n), p)
+    )
     u_BxN = 1.0 - jax.vmap(lambda key: jax.random.uniform(key, (n_new,)))(row_keys_B)  # (0, 1]
     eos_E = jnp.asarray(config.eos_ids, jnp.int32).reshape(-1)
 
@@ -268,7 +287,7 @@ def rollout(model: Transformer, config: SamplingConfig, n: int, params, prompt_P
     for j, (end, slots) in enumerate(phases):
         if j:
             out = out._replace(caches=constrain(_grow(out.caches, slots)))
-        out = jax.lax.while_loop(lambda st: (st.step < end) & ~jnp.all(st.ended_B), body, out)
+        out = jax.lax.while_loop(lambda st, end=end: (st.step < end) & ~jnp.all(st.ended_B), body, out)
     return {
         "tokens": out.tokens_BxN,  # B x N, pad_id after the end
         "logp": out.logp_BxN,  # B x N, 0 after the end
@@ -302,10 +321,12 @@ def _fit_bucket(prompt_PxL: np.ndarray, mask_PxL: np.ndarray, buckets: tuple[int
         raise ValueError(f"a prompt of {longest} tokens exceeds the largest bucket {buckets[-1]}")
     width, l = fits[0], prompt_PxL.shape[1]
     if width <= l:
-        return np.asarray(prompt_PxL[:, l - width:], np.int32), mask_PxL[:, l - width:]
+        return np.asarray(prompt_PxL[:, l - width :], np.int32), mask_PxL[:, l - width :]
     pad = ((0, 0), (width - l, 0))
-    return (np.pad(np.asarray(prompt_PxL, np.int32), pad, constant_values=pad_id),
-            np.pad(mask_PxL, pad, constant_values=False))
+    return (
+        np.pad(np.asarray(prompt_PxL, np.int32), pad, constant_values=pad_id),
+        np.pad(mask_PxL, pad, constant_values=False),
+    )
 
 
 class Sampler:
@@ -316,8 +337,7 @@ class Sampler:
     micro_batch_prompts x G rows, not of the whole batch, sits beside the weights.
     """
 
-    def __init__(self, model: Transformer, config: SamplingConfig, mesh: Mesh,
-                 micro_batch_prompts: int = 0):
+    def __init__(self, model: Transformer, config: SamplingConfig, mesh: Mesh, micro_batch_prompts: int = 0):
         self.model, self.config, self.mesh = model, config, mesh
         self.micro_batch_prompts = micro_batch_prompts  # prompts decoded at once (0: all)
         self.num_traces = 0
@@ -334,10 +354,13 @@ class Sampler:
             return rollout(self.model, self.config, n, *args)
 
         rep = sharding.replicated(self.mesh)
-        out = {k: sharding.batch_sharding(self.mesh, 1 if k in ("length", "truncated") else 2)
-               for k in ("tokens", "logp", "mask", "length", "truncated")}
-        self._jitted[n] = jax.jit(traced, in_shardings=(self._param_shardings, rep, rep, rep, rep),
-                                  out_shardings=out)
+        out = {
+            k: sharding.batch_sharding(self.mesh, 1 if k in ("length", "truncated") else 2)
+            for k in ("tokens", "logp", "mask", "length", "truncated")
+        }
+        self._jitted[n] = jax.jit(
+            traced, in_shardings=(self._param_shardings, rep, rep, rep, rep), out_shardings=out
+        )
         return self._jitted[n]
 
     def generate(self, params, prompt_PxL, mask_PxL, n: int, rng, uids_P=None) -> dict:
@@ -346,19 +369,23 @@ class Sampler:
         `truncated` (B). `uids_P` (default 0..P-1) seed each prompt's rows with its own key."""
         p = prompt_PxL.shape[0]
         if (p * n) % self._data_size:
-            raise ValueError(f"P*n = {p * n} rows do not divide over the {self._data_size} devices "
-                             "of the data x fsdp mesh axes")
+            raise ValueError(
+                f"P*n = {p * n} rows do not divide over the {self._data_size} devices "
+                "of the data x fsdp mesh axes"
+            )
         uids_P = np.arange(p, dtype=np.int32) if uids_P is None else np.asarray(uids_P, np.int32)
-        prompt_PxL, mask_PxL = _fit_bucket(prompt_PxL, mask_PxL, self.config.prompt_buckets,
-                                          self.config.pad_id)
+        prompt_PxL, mask_PxL = _fit_bucket(
+            prompt_PxL, mask_PxL, self.config.prompt_buckets, self.config.pad_id
+        )
         m = self.micro_batch_prompts or p
         if m < p and (m * n) % self._data_size:
-            raise ValueError(f"rollout micro-batches of {m} prompts x n = {n} rows do not divide "
-                             f"over the {self._data_size} devices of the data x fsdp mesh axes")
+            raise ValueError(
+                f"rollout micro-batches of {m} prompts x n = {n} rows do not divide "
+                f"over the {self._data_size} devices of the data x fsdp mesh axes"
+            )
         outs = []
         with sharding.activate(self.mesh):
             for i in range(0, p, m):  # each row's samples depend on its uid only, not on m
                 part = slice(i, i + m)
-                outs.append(self._rollout_fn(n)(params, prompt_PxL[part], mask_PxL[part],
-                                                uids_P[part], rng))
+                outs.append(self._rollout_fn(n)(params, prompt_PxL[part], mask_PxL[part], uids_P[part], rng))
         return outs[0] if len(outs) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs), *outs)

@@ -23,8 +23,9 @@ from dapo_jax import model as model_lib
 from dapo_jax import train_step
 
 
-def sft_batch(prompt_ids: list, solution_ids: list, eos_id: int, pad_id: int,
-              seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def sft_batch(
+    prompt_ids: list, solution_ids: list, eos_id: int, pad_id: int, seq_len: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(tokens_BxT int32, mask_BxT, loss_mask_BxT): x + y + EOS right-padded to `seq_len` (cut
     there if longer), mask on real tokens, loss mask on y and the EOS."""
     tokens_BxT = np.full((len(prompt_ids), seq_len), pad_id, np.int32)
@@ -32,9 +33,9 @@ def sft_batch(prompt_ids: list, solution_ids: list, eos_id: int, pad_id: int,
     loss_mask_BxT = np.zeros((len(prompt_ids), seq_len), bool)
     for b, (x, y) in enumerate(zip(prompt_ids, solution_ids)):
         ids = (list(x) + list(y) + [eos_id])[:seq_len]
-        tokens_BxT[b, :len(ids)] = ids
-        mask_BxT[b, :len(ids)] = True
-        loss_mask_BxT[b, len(x):len(ids)] = True
+        tokens_BxT[b, : len(ids)] = ids
+        mask_BxT[b, : len(ids)] = True
+        loss_mask_BxT[b, len(x) : len(ids)] = True
     return tokens_BxT, mask_BxT, loss_mask_BxT
 
 
@@ -49,10 +50,12 @@ def nll(model, params, tokens_BxT, mask_BxT, loss_mask_BxT) -> jax.Array:
 def make_sft_step(model, optimizer: optax.GradientTransformation):
     """`step(params, opt_state, tokens_BxT, mask_BxT, loss_mask_BxT) -> (params, opt_state, loss)`,
     jitted, params and optimizer state donated."""
+
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(params, opt_state, tokens_BxT, mask_BxT, loss_mask_BxT):
         loss, grads = jax.value_and_grad(functools.partial(nll, model))(
-            params, tokens_BxT, mask_BxT, loss_mask_BxT)
+            params, tokens_BxT, mask_BxT, loss_mask_BxT
+        )
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 

@@ -50,7 +50,8 @@ def mesh_shape(sizes: Mapping[str, int], num_devices: int) -> tuple[int, ...]:
     if math.prod(shape) != num_devices:
         raise ValueError(
             f"mesh {dict(zip(MESH_AXES, shape))} needs {math.prod(shape)} devices but "
-            f"{num_devices} are present; set one axis to -1 to take the rest")
+            f"{num_devices} are present; set one axis to -1 to take the rest"
+        )
     return tuple(shape)
 
 
@@ -60,8 +61,7 @@ def make_mesh(sizes: Mapping[str, int], devices=None) -> Mesh:
     shape = mesh_shape(sizes, len(devices))
     if devices == jax.devices():
         return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(shape))
-    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES,
-                axis_types=(AxisType.Auto,) * len(shape))
+    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(shape))
 
 
 @contextlib.contextmanager
@@ -97,26 +97,26 @@ def _dummy_inputs():
     return tokens, tokens, np.ones((1, 1, 1), bool)
 
 
-def _boxed_abstract_params(model: "nn.Module"):
+def _boxed_abstract_params(model: nn.Module):
     return jax.eval_shape(lambda: model.init(jax.random.key(0), *_dummy_inputs())["params"])
 
 
-def abstract_params(model: "nn.Module"):
+def abstract_params(model: nn.Module):
     """The parameters as ShapeDtypeStructs: shapes first, nothing allocated."""
     return nn.unbox(_boxed_abstract_params(model))
 
 
-def logical_param_specs(model: "nn.Module"):
+def logical_param_specs(model: nn.Module):
     """The parameters' logical PartitionSpecs, e.g. `P("embed", "mlp")` for a gate kernel."""
     return nn.get_partition_spec(_boxed_abstract_params(model))
 
 
-def param_shardings(model: "nn.Module", mesh: Mesh):
+def param_shardings(model: nn.Module, mesh: Mesh):
     """NamedShardings of every parameter of `model` on `mesh`, as `RULES` says."""
     return logical_to_sharding(logical_param_specs(model), mesh)
 
 
-def init_params(model: "nn.Module", mesh: Mesh, rng: jax.Array):
+def init_params(model: nn.Module, mesh: Mesh, rng: jax.Array):
     """Random parameters born sharded: shapes first, then one jit with `out_shardings`."""
     shardings = param_shardings(model, mesh)
 

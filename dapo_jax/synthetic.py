@@ -41,7 +41,7 @@ def worked_solution(numbers: list[int], ops: str) -> tuple[str, int]:
         i = ops.index("*")
         value = numbers[i] * numbers[i + 1]
         lines.append(f"{numbers[i]}*{numbers[i + 1]}={value}")
-        numbers[i:i + 2], ops[i:i + 1] = [value], []
+        numbers[i : i + 2], ops[i : i + 1] = [value], []
     value = numbers[0]
     for op, number in zip(ops, numbers[1:]):
         new_value = value + number if op == "+" else value - number
@@ -52,27 +52,35 @@ def worked_solution(numbers: list[int], ops: str) -> tuple[str, int]:
 
 
 def problem_text(numbers: list[int], ops: str) -> str:
-    """"Compute 12+7-5." for numbers [12, 7, 5] and ops "+-"."""
+    """ "Compute 12+7-5." for numbers [12, 7, 5] and ops "+-"."""
     expression = str(numbers[0]) + "".join(op + str(n) for op, n in zip(ops, numbers[1:]))
     return f"Compute {expression}."
 
 
-def generate(num_items: int, seed: int, *, min_operands: int = 2, max_operands: int = 6,
-             max_operand: int = 20, ops: str = "+-", split: str = "train",
-             exclude: frozenset = frozenset()) -> list[dict]:
+def generate(
+    num_items: int,
+    seed: int,
+    *,
+    min_operands: int = 2,
+    max_operands: int = 6,
+    max_operand: int = 20,
+    ops: str = "+-",
+    split: str = "train",
+    exclude: frozenset = frozenset(),
+) -> list[dict]:
     """`num_items` rows; the operand count n is uniform in [min_operands, max_operands],
     operands uniform in [1, max_operand], operators uniform over `ops`. Problems in `exclude`
     are redrawn (duplicates within the split are allowed)."""
     if not 2 <= min_operands <= max_operands or max_operand < 1 or not set(ops) <= set("+-*"):
-        raise ValueError(f"bad difficulty: operands {min_operands}..{max_operands}, "
-                         f"max_operand {max_operand}, ops {ops!r}")
+        raise ValueError(
+            f"bad difficulty: operands {min_operands}..{max_operands}, max_operand {max_operand}, ops {ops!r}"
+        )
     rng = random.Random(seed)
     rows, attempts = [], 0
     while len(rows) < num_items:
         attempts += 1
         if attempts > 100 * num_items:
-            raise ValueError(f"could not draw {num_items} problems outside `exclude`; "
-                             "widen the difficulty")
+            raise ValueError(f"could not draw {num_items} problems outside `exclude`; widen the difficulty")
         n = rng.randint(min_operands, max_operands)
         numbers = [rng.randint(1, max_operand) for _ in range(n)]
         chosen_ops = "".join(rng.choice(ops) for _ in range(n - 1))
@@ -80,14 +88,15 @@ def generate(num_items: int, seed: int, *, min_operands: int = 2, max_operands: 
         if problem in exclude:
             continue
         solution, answer = worked_solution(numbers, chosen_ops)
-        rows.append({
-            "data_source": DATA_SOURCE,
-            "prompt": [{"role": "user", "content": problem}],
-            "ability": "arithmetic",
-            "reward_model": {"ground_truth": str(answer), "style": "rule"},
-            "extra_info": {"index": len(rows), "n_ops": n - 1, "solution": solution,
-                           "split": split},
-        })
+        rows.append(
+            {
+                "data_source": DATA_SOURCE,
+                "prompt": [{"role": "user", "content": problem}],
+                "ability": "arithmetic",
+                "reward_model": {"ground_truth": str(answer), "style": "rule"},
+                "extra_info": {"index": len(rows), "n_ops": n - 1, "solution": solution, "split": split},
+            }
+        )
     return rows
 
 
@@ -120,9 +129,15 @@ def main(argv=None):
     parser.add_argument("--ops", default="+-", help="operators to draw from, a subset of '+-*'")
     parser.add_argument("--format", choices=("parquet", "jsonl"), default="parquet")
     args = parser.parse_args(argv)
-    train, test = make_splits(args.n_train, args.n_test, args.seed,
-                              min_operands=args.min_operands, max_operands=args.max_operands,
-                              max_operand=args.max_operand, ops=args.ops)
+    train, test = make_splits(
+        args.n_train,
+        args.n_test,
+        args.seed,
+        min_operands=args.min_operands,
+        max_operands=args.max_operands,
+        max_operand=args.max_operand,
+        ops=args.ops,
+    )
     os.makedirs(args.out, exist_ok=True)
     write = write_parquet if args.format == "parquet" else write_jsonl
     for name, rows in (("train", train), ("test", test)):

@@ -44,34 +44,65 @@ from absl import app, flags, logging
 from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
-from dapo_jax import (checkpoint, data, dynamic_sampling, hf_io, hub, metrics, objective,
-                      overrides, paths, plot, rollout, sharding, train_step)
+from dapo_jax import (
+    checkpoint,
+    data,
+    dynamic_sampling,
+    hf_io,
+    hub,
+    metrics,
+    objective,
+    overrides,
+    paths,
+    plot,
+    rollout,
+    sharding,
+    train_step,
+)
 from dapo_jax.errors import CheckpointError
 from dapo_jax.records import TrainBatch
-from dapo_jax.run import (ConfigError, Run, build, check_config, check_workdir, load_config_file,
-                          make_filter, profile_steps)
+from dapo_jax.run import (
+    ConfigError,
+    Run,
+    build,
+    check_config,
+    check_workdir,
+    load_config_file,
+    make_filter,
+    profile_steps,
+)
 
 PREEMPTED = 75  # exit status after SIGTERM's checkpoint (EX_TEMPFAIL: requeue me)
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "configs/FILE.py:VARIANT",
-                                          lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file("config", None, "configs/FILE.py:VARIANT", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory: checkpoints, metrics, export")
 _MULTIHOST = flags.DEFINE_bool("multihost", False, "call jax.distributed.initialize() first")
 _COORDINATOR = flags.DEFINE_string(
-    "coordinator", None, "with --multihost: process 0's host:port, where JAX does not detect the "
-    "cluster by itself (it does on TPU pods and SLURM)")
+    "coordinator",
+    None,
+    "with --multihost: process 0's host:port, where JAX does not detect the "
+    "cluster by itself (it does on TPU pods and SLURM)",
+)
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "with --coordinator: how many")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "with --coordinator: this one's, 0-based")
 _HEARTBEAT = flags.DEFINE_integer(
-    "heartbeat_timeout", 100, "with --multihost: seconds without a heartbeat after which JAX's "
-    "coordination service declares a process dead and the others stop", lower_bound=1)
+    "heartbeat_timeout",
+    100,
+    "with --multihost: seconds without a heartbeat after which JAX's "
+    "coordination service declares a process dead and the others stop",
+    lower_bound=1,
+)
 _CHECKPOINT_DIR = flags.DEFINE_string(
-    "checkpoint_dir", None, "where the checkpoints are (default WORKDIR/checkpoints): a folder "
-    "every process sees, e.g. gs://..., when the processes' workdirs are apart")
+    "checkpoint_dir",
+    None,
+    "where the checkpoints are (default WORKDIR/checkpoints): a folder "
+    "every process sees, e.g. gs://..., when the processes' workdirs are apart",
+)
 
 
-def _rollout(batch: TrainBatch, group_size: int, normalize_std: bool,
-             length_bucket: int) -> train_step.Rollout:
+def _rollout(
+    batch: TrainBatch, group_size: int, normalize_std: bool, length_bucket: int
+) -> train_step.Rollout:
     """Host arrays of the train batch: prompt + response tokens, masks and advantages A_i.
 
     Response columns past the longest response are cut, rounded up to a multiple of
@@ -86,8 +117,9 @@ def _rollout(batch: TrainBatch, group_size: int, normalize_std: bool,
     keep_BxN = response_mask_BxN & (valid_B & rows.loss_keep_B)[:, None]
     loss_mask_BxT = np.concatenate([np.zeros_like(rows.prompt_mask_BxQ), keep_BxN], axis=1)
     adv_B = np.asarray(objective.group_advantages(rows.reward_B, group_size, normalize_std))
-    return train_step.Rollout(tokens_BxT.astype(np.int32), mask_BxT, loss_mask_BxT,
-                              np.where(valid_B, adv_B, 0.0).astype(np.float32))
+    return train_step.Rollout(
+        tokens_BxT.astype(np.int32), mask_BxT, loss_mask_BxT, np.where(valid_B, adv_B, 0.0).astype(np.float32)
+    )
 
 
 def _to_device(x: np.ndarray, mesh):
@@ -102,29 +134,37 @@ def _data_metrics(batch: TrainBatch) -> dict:
     if not v.any():
         return {}
     rows = batch.rows.rows(v)
-    return {"data/score_mean": float(rows.score_B.mean()),
-            "data/reward_mean": float(rows.reward_B.mean()),
-            "data/acc_mean": float(rows.acc_B.mean()),
-            "data/response_length_mean": float(rows.length_B.mean()),
-            "data/response_length_max": float(rows.length_B.max()),
-            "data/response_length_min": float(rows.length_B.min()),
-            "data/truncated_fraction": float(rows.truncated_B.mean())}
+    return {
+        "data/score_mean": float(rows.score_B.mean()),
+        "data/reward_mean": float(rows.reward_B.mean()),
+        "data/acc_mean": float(rows.acc_B.mean()),
+        "data/response_length_mean": float(rows.length_B.mean()),
+        "data/response_length_max": float(rows.length_B.max()),
+        "data/response_length_min": float(rows.length_B.min()),
+        "data/truncated_fraction": float(rows.truncated_B.mean()),
+    }
 
 
-def _logp_agreement(sampler_logp_BxN: np.ndarray, prompt_len: int, old_logp_BxT: np.ndarray,
-                    loss_mask_BxT: np.ndarray, carried_B: np.ndarray) -> dict:
+def _logp_agreement(
+    sampler_logp_BxN: np.ndarray,
+    prompt_len: int,
+    old_logp_BxT: np.ndarray,
+    loss_mask_BxT: np.ndarray,
+    carried_B: np.ndarray,
+) -> dict:
     """|log pi_sampler - log pi_old| over the trained response tokens (the columns of T after
     the `prompt_len` prompt ones): the importance ratio of the first update is exactly 1 only if
     the sampler and the trainer agree (docs/dapo_spec.md section 2). Rows of `carried_B` (groups
     carried over from the last step, sampled under the policy before its update) are measured
     apart: their difference is the update's, not a mismatch."""
     mask_BxN = loss_mask_BxT[:, prompt_len:]
-    diff_BxN = np.abs(sampler_logp_BxN[:, :mask_BxN.shape[1]] - old_logp_BxT[:, prompt_len:])
+    diff_BxN = np.abs(sampler_logp_BxN[:, : mask_BxN.shape[1]] - old_logp_BxT[:, prompt_len:])
     out = {}
     fresh = diff_BxN[~carried_B][mask_BxN[~carried_B]]
     if fresh.size:
-        out.update({"rollout/logp_diff_mean": float(fresh.mean()),
-                    "rollout/logp_diff_max": float(fresh.max())})
+        out.update(
+            {"rollout/logp_diff_mean": float(fresh.mean()), "rollout/logp_diff_max": float(fresh.max())}
+        )
     carried = diff_BxN[carried_B][mask_BxN[carried_B]]
     if carried.size:
         out["rollout/carried_logp_diff_mean"] = float(carried.mean())
@@ -161,9 +201,13 @@ def _peer_failure(error: Exception, run: Run) -> None:
 
     me, n = jax.process_index(), jax.process_count()
     reason = " ".join(str(error).split())[:300]
-    print(f"error: process {me}: a collective with the other processes failed ({reason}); "
-          f"waiting up to --heartbeat_timeout for the coordination service to name the dead "
-          "process", file=sys.stderr, flush=True)
+    print(
+        f"error: process {me}: a collective with the other processes failed ({reason}); "
+        f"waiting up to --heartbeat_timeout for the coordination service to name the dead "
+        "process",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         run.scorer.close()
     except Exception:  # noqa: BLE001 - exiting anyway; the reward workers end with this process
@@ -171,13 +215,20 @@ def _peer_failure(error: Exception, run: Run) -> None:
     try:
         alive = distributed.global_state.client.get_live_nodes(list(range(n)))
         dead = sorted(set(range(n)) - set(alive))
-        print(f"error: process {me}: process(es) {', '.join(map(str, dead)) or 'none'} of {n} "
-              "stopped sending heartbeats (died); relaunch all processes: the run resumes from "
-              "the last complete checkpoint", file=sys.stderr, flush=True)
+        print(
+            f"error: process {me}: process(es) {', '.join(map(str, dead)) or 'none'} of {n} "
+            "stopped sending heartbeats (died); relaunch all processes: the run resumes from "
+            "the last complete checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
     except Exception as e:  # noqa: BLE001 - the service itself may be gone (process 0 died)
-        print(f"error: process {me}: the coordination service (process 0) is unreachable "
-              f"({type(e).__name__}): process 0 died; relaunch all processes", file=sys.stderr,
-              flush=True)
+        print(
+            f"error: process {me}: the coordination service (process 0) is unreachable "
+            f"({type(e).__name__}): process 0 died; relaunch all processes",
+            file=sys.stderr,
+            flush=True,
+        )
     os._exit(1)
 
 
@@ -185,11 +236,19 @@ def evaluate(run: Run, params, step: int, sample_rows: list | None = None, ks=No
     """Held-out avg@k / pass@k / maj@k of `params` with the config's eval settings; also
     `python -m dapo_jax.evaluate`'s, which passes `sample_rows` and `ks`."""
     t0 = time.time()
-    result = rollout.evaluate(run.eval_sampler, params, run.eval_examples,
-                              run.config.eval.samples,
-                              jax.random.fold_in(jax.random.key(run.config.seed + 1), step),
-                              run.tokenizer, run.scorer, run.config.data.max_prompt_len,
-                              run.config.eval.batch_prompts, sample_rows, ks)
+    result = rollout.evaluate(
+        run.eval_sampler,
+        params,
+        run.eval_examples,
+        run.config.eval.samples,
+        jax.random.fold_in(jax.random.key(run.config.seed + 1), step),
+        run.tokenizer,
+        run.scorer,
+        run.config.data.max_prompt_len,
+        run.config.eval.batch_prompts,
+        sample_rows,
+        ks,
+    )
     result["timing/eval_s"] = time.time() - t0
     return result
 
@@ -234,8 +293,12 @@ def _trace(workdir: str, step: int, steps: set[int]):
         jax.profiler.stop_trace()
 
 
-def _restore_or_start(run: Run, ckpt: checkpoint.Checkpointer, prompts: data.PromptIterator,
-                      filt: dynamic_sampling.DynamicSampler) -> tuple[int, train_step.TrainState, int]:
+def _restore_or_start(
+    run: Run,
+    ckpt: checkpoint.Checkpointer,
+    prompts: data.PromptIterator,
+    filt: dynamic_sampling.DynamicSampler,
+) -> tuple[int, train_step.TrainState, int]:
     """The newest checkpoint that restores (its state, and the data order and the filter's
     carry restored into `prompts` and `filt`), or the base model. Returns (last completed step,
     train state, non-finite updates in a row)."""
@@ -253,28 +316,48 @@ def _restore_or_start(run: Run, ckpt: checkpoint.Checkpointer, prompts: data.Pro
     return start, state, int(host["nonfinite_run"])
 
 
-def _sample_train_batch(run: Run, params, prompts: data.PromptIterator,
-                        filt: dynamic_sampling.DynamicSampler, step: int) -> tuple[TrainBatch, dict]:
+def _sample_train_batch(
+    run: Run, params, prompts: data.PromptIterator, filt: dynamic_sampling.DynamicSampler, step: int
+) -> tuple[TrainBatch, dict]:
     """Dynamic sampling: generation batches into `filt` until it is full or its bound is hit.
     Generation batch i of `step` samples with the key (seed, step, i), so that a resumed run
     draws exactly what the uninterrupted one did."""
     c = run.config
-    with tqdm.tqdm(total=c.filter.max_num_gen_batches, desc=f"rollout {step}", unit="gen batch",
-                   leave=False, disable=None) as progress:
+    with tqdm.tqdm(
+        total=c.filter.max_num_gen_batches,
+        desc=f"rollout {step}",
+        unit="gen batch",
+        leave=False,
+        disable=None,
+    ) as progress:
         for i in itertools.count():
             if filt.full or filt.bound_reached:
                 break
             rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(c.seed), step), i)
-            filt.add(rollout.generation_batch(
-                run.sampler, params, prompts.next_batch(c.filter.gen_batch_prompts),
-                c.rollout.group_size, rng, run.tokenizer, run.scorer, c.data.max_prompt_len,
-                run.shaping))
+            filt.add(
+                rollout.generation_batch(
+                    run.sampler,
+                    params,
+                    prompts.next_batch(c.filter.gen_batch_prompts),
+                    c.rollout.group_size,
+                    rng,
+                    run.tokenizer,
+                    run.scorer,
+                    c.data.max_prompt_len,
+                    run.shaping,
+                )
+            )
             progress.update()
     return filt.take()
 
 
-def _step(run: Run, state: train_step.TrainState, prompts: data.PromptIterator,
-          filt: dynamic_sampling.DynamicSampler, step: int) -> tuple[train_step.TrainState, dict]:
+def _step(
+    run: Run,
+    state: train_step.TrainState,
+    prompts: data.PromptIterator,
+    filt: dynamic_sampling.DynamicSampler,
+    step: int,
+) -> tuple[train_step.TrainState, dict]:
     """One DAPO step: sample and filter, advantages, log pi_old, the updates; (state, metrics)."""
     c = run.config
     t0 = time.time()
@@ -285,22 +368,41 @@ def _step(run: Run, state: train_step.TrainState, prompts: data.PromptIterator,
     t1 = time.time()
     old_logp_BxT = run.logprobs_fn(state.params, device.tokens_BxT, device.mask_BxT)
     state, updates = train_step.train_on_rollout(
-        run.train_step, run.logprobs_fn, run.mesh, state, device,
-        c.train.train_batch_prompts // c.train.mini_batch_prompts, run.ref_params, old_logp_BxT)
+        run.train_step,
+        run.logprobs_fn,
+        run.mesh,
+        state,
+        device,
+        c.train.train_batch_prompts // c.train.mini_batch_prompts,
+        run.ref_params,
+        old_logp_BxT,
+    )
     updates = jax.device_get(updates)
     t_train = time.time() - t1
-    out = {**_data_metrics(batch), **filter_stats,
-           **_logp_agreement(batch.rows.logp_BxN, batch.rows.prompt_tokens_BxQ.shape[1],
-                             sharding.to_host(old_logp_BxT), host.loss_mask_BxT, batch.carried_B),
-           **{f"actor/{k}": float(np.mean([u[k] for u in updates])) for k in updates[0]}}
-    out.update({
-        "actor/skipped_updates": int(sum(u["skipped"] for u in updates)),
-        "timing/rollout_s": t_rollout, "timing/train_s": t_train,
-        "timing/step_s": time.time() - t0,
-        "throughput/sample_tokens_per_s": float(batch.rows.length_B.sum()) / max(t_rollout, 1e-9),
-        "throughput/train_tokens_per_s": float(host.mask_BxT.sum()) / max(t_train, 1e-9),
-        "reward/errors_total": run.scorer.totals["n_error"],
-        "reward/timeouts_total": run.scorer.totals["n_timeout"]})
+    out = {
+        **_data_metrics(batch),
+        **filter_stats,
+        **_logp_agreement(
+            batch.rows.logp_BxN,
+            batch.rows.prompt_tokens_BxQ.shape[1],
+            sharding.to_host(old_logp_BxT),
+            host.loss_mask_BxT,
+            batch.carried_B,
+        ),
+        **{f"actor/{k}": float(np.mean([u[k] for u in updates])) for k in updates[0]},
+    }
+    out.update(
+        {
+            "actor/skipped_updates": int(sum(u["skipped"] for u in updates)),
+            "timing/rollout_s": t_rollout,
+            "timing/train_s": t_train,
+            "timing/step_s": time.time() - t0,
+            "throughput/sample_tokens_per_s": float(batch.rows.length_B.sum()) / max(t_rollout, 1e-9),
+            "throughput/train_tokens_per_s": float(host.mask_BxT.sum()) / max(t_train, 1e-9),
+            "reward/errors_total": run.scorer.totals["n_error"],
+            "reward/timeouts_total": run.scorer.totals["n_timeout"],
+        }
+    )
     return state, out
 
 
@@ -313,15 +415,20 @@ def train(c: ml_collections.ConfigDict, workdir: str, checkpoint_dir: str | None
     check_workdir(workdir)
     paths.run_path(workdir).mkdir(parents=True, exist_ok=True)  # gs:// stays a URL
     run = build(c, workdir)
-    ckpt = checkpoint.Checkpointer(workdir, keep=c.checkpoint.keep, directory=checkpoint_dir,
-                                   asynchronous=c.checkpoint.asynchronous)
+    ckpt = checkpoint.Checkpointer(
+        workdir, keep=c.checkpoint.keep, directory=checkpoint_dir, asynchronous=c.checkpoint.asynchronous
+    )
     prompts, filt = data.PromptIterator(run.train_examples, c.seed), make_filter(c)
     try:
         start, state, nonfinite_run = _restore_or_start(run, ckpt, prompts, filt)
-        writer = metrics.MetricsWriter(workdir, resume_step=start or None,
-                                       writers=c.metrics.writers,
-                                       wandb_project=c.metrics.wandb_project,
-                                       aliases=c.metrics.aliases, config=c.to_dict())
+        writer = metrics.MetricsWriter(
+            workdir,
+            resume_step=start or None,
+            writers=c.metrics.writers,
+            wandb_project=c.metrics.wandb_project,
+            aliases=c.metrics.aliases,
+            config=c.to_dict(),
+        )
         profiled = profile_steps(c.profile.steps)
         preemption = _Preemption()
         summary = {}
@@ -335,23 +442,29 @@ def train(c: ml_collections.ConfigDict, workdir: str, checkpoint_dir: str | None
             skipped = summary["actor/skipped_updates"]
             nonfinite_run = nonfinite_run + skipped if skipped else 0
             if skipped:
-                logging.warning("step %d: %d update(s) skipped: non-finite loss or gradient",
-                                step, skipped)
-            if c.eval.every and run.eval_examples and (step % c.eval.every == 0
-                                                       or step == c.train.steps):
+                logging.warning("step %d: %d update(s) skipped: non-finite loss or gradient", step, skipped)
+            if c.eval.every and run.eval_examples and (step % c.eval.every == 0 or step == c.train.steps):
                 summary.update(evaluate(run, state.params, step))
             writer.write(step, summary)
             print(metrics.console_line(step, summary), flush=True)
             stop = nonfinite_run >= c.train.max_consecutive_nonfinite
             preempted = preemption.agreed()
             if step % c.checkpoint.every == 0 or step == c.train.steps or preempted or stop:
-                ckpt.save(step, state, {
-                    "seed": np.int64(c.seed), "data": prompts.state(),
-                    "filter": filt.state(), "nonfinite_run": np.int64(nonfinite_run)})
+                ckpt.save(
+                    step,
+                    state,
+                    {
+                        "seed": np.int64(c.seed),
+                        "data": prompts.state(),
+                        "filter": filt.state(),
+                        "nonfinite_run": np.int64(nonfinite_run),
+                    },
+                )
             if stop:
                 raise FloatingPointError(
                     f"step {step}: {nonfinite_run} updates in a row had a non-finite loss or "
-                    f"gradient; the last good state is checkpointed in {ckpt.directory}")
+                    f"gradient; the last good state is checkpointed in {ckpt.directory}"
+                )
             if preempted:
                 sys.exit(PREEMPTED)  # `finally` waits for the checkpoint to be written
         writer.close()
@@ -368,7 +481,7 @@ def train(c: ml_collections.ConfigDict, workdir: str, checkpoint_dir: str | None
 
 
 def _eval_text(m: dict) -> str:
-    """"avg@4 0.412 ± 0.015  pass@1 ..." of an evaluation's metrics (± one standard error)."""
+    """ "avg@4 0.412 ± 0.015  pass@1 ..." of an evaluation's metrics (± one standard error)."""
     parts = []
     for key, value in m.items():
         name = key.split("/")[-1]
@@ -386,8 +499,11 @@ def _gain_text(before: dict, after: dict) -> str | None:
     if not key or key not in before or se_key not in before or se_key not in after:
         return None
     gain, se = after[key] - before[key], math.hypot(before[se_key], after[se_key])
-    return (f"held-out gain: {gain:+.3f} ± {se:.3f} ({gain / se:+.1f} standard errors)"
-            if se > 0 else f"held-out gain: {gain:+.3f}")
+    return (
+        f"held-out gain: {gain:+.3f} ± {se:.3f} ({gain / se:+.1f} standard errors)"
+        if se > 0
+        else f"held-out gain: {gain:+.3f}"
+    )
 
 
 def _unknown_override(config, argv) -> str | None:
@@ -396,7 +512,7 @@ def _unknown_override(config, argv) -> str | None:
         if arg.startswith("--config."):
             flag = arg.split("=")[0]
             try:
-                overrides.get(config, flag[len("--config."):])
+                overrides.get(config, flag[len("--config.") :])
             except ConfigError as e:
                 return f"{flag}: {e}"
     return None
@@ -440,8 +556,12 @@ def main(argv):
     quiet_logging()
     if _MULTIHOST.value:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices' collectives
-        jax.distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
-                                   heartbeat_timeout_seconds=_HEARTBEAT.value)
+        jax.distributed.initialize(
+            _COORDINATOR.value,
+            _NUM_PROCESSES.value,
+            _PROCESS_ID.value,
+            heartbeat_timeout_seconds=_HEARTBEAT.value,
+        )
     if _CONFIG.value is None or _WORKDIR.value is None:
         raise app.UsageError("--config and --workdir are required")
     try:

@@ -68,8 +68,9 @@ class Batch(NamedTuple):
     ref_logp_BxT: jax.Array | None  # log pi_ref(o_{i,t}); None exactly when β = 0
 
 
-def learning_rate_schedule(peak: float, warmup_updates: int, kind: str,
-                           total_updates: int | None = None, final_ratio: float = 0.0):
+def learning_rate_schedule(
+    peak: float, warmup_updates: int, kind: str, total_updates: int | None = None, final_ratio: float = 0.0
+):
     """lr(s) for optimizer update s = 0, 1, ...: linear warm-up peak * (s + 1) / warmup_updates
     (so update 0 already learns), then constant (DAPO) or cosine down to final_ratio * peak at
     total_updates. Counts are updates; `run.learning_rate_schedule` converts rollout steps."""
@@ -78,8 +79,9 @@ def learning_rate_schedule(peak: float, warmup_updates: int, kind: str,
     if warmup_updates < 0:
         raise ValueError(f"warm-up must be >= 0 updates, got {warmup_updates}")
     if kind == "cosine" and (total_updates is None or total_updates <= warmup_updates):
-        raise ValueError(f"cosine needs total_updates > warmup_updates = {warmup_updates}, "
-                         f"got {total_updates}")
+        raise ValueError(
+            f"cosine needs total_updates > warmup_updates = {warmup_updates}, got {total_updates}"
+        )
 
     def schedule(step):
         lr = peak * jnp.minimum(1.0, (step + 1.0) / max(warmup_updates, 1))
@@ -91,20 +93,33 @@ def learning_rate_schedule(peak: float, warmup_updates: int, kind: str,
     return schedule
 
 
-def make_optimizer(schedule, *, weight_decay: float, max_grad_norm: float, b1: float = 0.9,
-                   b2: float = 0.999, eps: float = 1e-8) -> optax.GradientTransformation:
+def make_optimizer(
+    schedule,
+    *,
+    weight_decay: float,
+    max_grad_norm: float,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+) -> optax.GradientTransformation:
     """Global-norm clipping, then AdamW (decoupled decay on every parameter, as verl's AdamW)."""
     return optax.chain(
         optax.clip_by_global_norm(max_grad_norm),
-        optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
+        optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay),
+    )
 
 
 def state_shardings(model, optimizer, mesh) -> TrainState:
     """Shardings of the train state: optimizer moments like their params, counters replicated."""
     param_sh = sharding.param_shardings(model, mesh)
     abstract_opt = jax.eval_shape(optimizer.init, sharding.abstract_params(model))
-    opt_sh = optax.tree_map_params(optimizer, lambda _, sh: sh, abstract_opt, param_sh,
-                                   transform_non_params=lambda _: sharding.replicated(mesh))
+    opt_sh = optax.tree_map_params(
+        optimizer,
+        lambda _, sh: sh,
+        abstract_opt,
+        param_sh,
+        transform_non_params=lambda _: sharding.replicated(mesh),
+    )
     return TrainState(sharding.replicated(mesh), param_sh, opt_sh)
 
 
@@ -144,16 +159,25 @@ def shifted_logp_and_entropy(logits_BxTxV, tokens_BxT, temperature: float):
     return shift(logp_BxT), shift(entropy_BxT)
 
 
-def chunked_logp_and_entropy(config: model_lib.ModelConfig, params, x_BxTxD, targets_BxT,
-                             temperature: float, chunk: int, remat: bool = True):
+def chunked_logp_and_entropy(
+    config: model_lib.ModelConfig,
+    params,
+    x_BxTxD,
+    targets_BxT,
+    temperature: float,
+    chunk: int,
+    remat: bool = True,
+):
     """`objective.token_logp_and_entropy` of the logits `lm_head(x)`, computed over blocks of
     `chunk` tokens (one block when T <= chunk or chunk = 0). Each block's B x chunk x V logits
     are made, reduced to log p and H and dropped; with `remat` they are recomputed in the backward
     pass, which then also holds one block's logits at a time, not T x V of them (~13 GB of f32
     logits per 20k-token sequence at Qwen's 152k vocabulary)."""
+
     def block(x_bxCxD, targets_bxC):
-        logits_bxCxV = nn.with_logical_constraint(model_lib.lm_head(config, params, x_bxCxD),
-                                                  ("batch", "length", "vocab"))
+        logits_bxCxV = nn.with_logical_constraint(
+            model_lib.lm_head(config, params, x_bxCxD), ("batch", "length", "vocab")
+        )
         return objective.token_logp_and_entropy(logits_bxCxV, targets_bxC, temperature)
 
     b, t, d = x_BxTxD.shape
@@ -164,8 +188,7 @@ def chunked_logp_and_entropy(config: model_lib.ModelConfig, params, x_BxTxD, tar
     x_NxBxCxD = jnp.pad(x_BxTxD, pad + ((0, 0),)).reshape(b, n, chunk, d).swapaxes(0, 1)
     targets_NxBxC = jnp.pad(targets_BxT, pad).reshape(b, n, chunk).swapaxes(0, 1)
     one = lambda xs: block(*xs)
-    logp_NxBxC, entropy_NxBxC = jax.lax.map(jax.checkpoint(one) if remat else one,
-                                            (x_NxBxCxD, targets_NxBxC))
+    logp_NxBxC, entropy_NxBxC = jax.lax.map(jax.checkpoint(one) if remat else one, (x_NxBxCxD, targets_NxBxC))
     merge = lambda v_NxBxC: v_NxBxC.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
     return merge(logp_NxBxC), merge(entropy_NxBxC)
 
@@ -175,16 +198,17 @@ def model_logp_and_entropy(model, params, tokens_BxT, mask_BxT, temperature: flo
     over blocks of `model.config.logits_chunk` tokens (`chunked_logp_and_entropy`)."""
     x_BxTxD = model_lib.forward_hidden(model, params, tokens_BxT, mask_BxT)
     next_BxT = jnp.roll(tokens_BxT, -1, axis=1)
-    logp_BxT, entropy_BxT = chunked_logp_and_entropy(model.config, params, x_BxTxD, next_BxT,
-                                                     temperature, model.config.logits_chunk)
+    logp_BxT, entropy_BxT = chunked_logp_and_entropy(
+        model.config, params, x_BxTxD, next_BxT, temperature, model.config.logits_chunk
+    )
     shift = lambda x_BxT: jnp.pad(x_BxT[:, :-1], ((0, 0), (1, 0)))
     return shift(logp_BxT), shift(entropy_BxT)
 
 
-def compute_logprobs(model, params, tokens_BxT, mask_BxT, temperature: float,
-                     num_micro_batches: int):
+def compute_logprobs(model, params, tokens_BxT, mask_BxT, temperature: float, num_micro_batches: int):
     """log pi_params(token_t | tokens_<t) aligned with tokens (entry 0 and padding: don't care),
     one forward per micro-batch (`lax.map`) to bound the memory of the logits."""
+
     def one(micro):
         tokens_bxT, mask_bxT = micro
         return model_logp_and_entropy(model, params, tokens_bxT, mask_bxT, temperature)[0]
@@ -195,11 +219,11 @@ def compute_logprobs(model, params, tokens_BxT, mask_BxT, temperature: float,
 
 def make_compute_logprobs(model, mesh, temperature: float, num_micro_batches: int):
     """`compute_logprobs` jitted on `mesh`: `fn(params, tokens_BxT, mask_BxT) -> logp_BxT`."""
-    fn = functools.partial(compute_logprobs, model, temperature=temperature,
-                           num_micro_batches=num_micro_batches)
+    fn = functools.partial(
+        compute_logprobs, model, temperature=temperature, num_micro_batches=num_micro_batches
+    )
     rows = sharding.batch_sharding(mesh, 2)
-    jitted = jax.jit(fn, in_shardings=(sharding.param_shardings(model, mesh), rows, rows),
-                     out_shardings=rows)
+    jitted = jax.jit(fn, in_shardings=(sharding.param_shardings(model, mesh), rows, rows), out_shardings=rows)
     return _on_mesh(jitted, mesh)
 
 
@@ -214,13 +238,24 @@ def loss_and_grads(model, loss_cfg: LossConfig, params, batch: Batch, num_micro_
     denom = objective.denominators(batch.loss_mask_BxT, c.agg_mode, c.norm_const)
 
     def micro_loss(p, micro: Batch):
-        logp_bxT, entropy_bxT = model_logp_and_entropy(model, p, micro.tokens_BxT,
-                                                       micro.mask_BxT, c.temperature)
+        logp_bxT, entropy_bxT = model_logp_and_entropy(
+            model, p, micro.tokens_BxT, micro.mask_BxT, c.temperature
+        )
         return objective.policy_loss_sum(
-            logp_bxT, micro.old_logp_BxT, micro.adv_B, micro.loss_mask_BxT, denom,
-            eps_low=c.eps_low, eps_high=c.eps_high, clip_ratio_c=c.clip_ratio_c,
-            agg_mode=c.agg_mode, ref_logp_BxT=micro.ref_logp_BxT, beta=c.beta,
-            entropy_BxT=entropy_bxT, entropy_coef=c.entropy_coef)
+            logp_bxT,
+            micro.old_logp_BxT,
+            micro.adv_B,
+            micro.loss_mask_BxT,
+            denom,
+            eps_low=c.eps_low,
+            eps_high=c.eps_high,
+            clip_ratio_c=c.clip_ratio_c,
+            agg_mode=c.agg_mode,
+            ref_logp_BxT=micro.ref_logp_BxT,
+            beta=c.beta,
+            entropy_BxT=entropy_bxT,
+            entropy_coef=c.entropy_coef,
+        )
 
     def body(grads, micro):
         (_, metrics), g = jax.value_and_grad(micro_loss, has_aux=True)(params, micro)
@@ -233,25 +268,26 @@ def loss_and_grads(model, loss_cfg: LossConfig, params, batch: Batch, num_micro_
     return grads, metrics
 
 
-def _train_step(model, optimizer, schedule, loss_cfg, num_micro_batches, state: TrainState,
-                batch: Batch):
+def _train_step(model, optimizer, schedule, loss_cfg, num_micro_batches, state: TrainState, batch: Batch):
     grads, metrics = loss_and_grads(model, loss_cfg, state.params, batch, num_micro_batches)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-    new_state = TrainState(state.step + finite.astype(jnp.int32), keep(params, state.params),
-                           keep(opt_state, state.opt_state))
-    metrics.update(grad_norm=grad_norm,
-                   update_norm=jnp.where(finite, optax.tree.norm(updates), 0.0),
-                   learning_rate=schedule(state.step),
-                   skipped=1.0 - finite.astype(jnp.float32))
+    new_state = TrainState(
+        state.step + finite.astype(jnp.int32), keep(params, state.params), keep(opt_state, state.opt_state)
+    )
+    metrics.update(
+        grad_norm=grad_norm,
+        update_norm=jnp.where(finite, optax.tree.norm(updates), 0.0),
+        learning_rate=schedule(state.step),
+        skipped=1.0 - finite.astype(jnp.float32),
+    )
     return new_state, metrics
 
 
-def make_train_step(model, optimizer, schedule, loss_cfg: LossConfig, mesh,
-                    num_micro_batches: int):
+def make_train_step(model, optimizer, schedule, loss_cfg: LossConfig, mesh, num_micro_batches: int):
     """`train_step(state, batch) -> (state, metrics)`: one jit on `mesh`, the state donated.
 
     metrics (replicated scalars): loss, pg_loss, pg_clipfrac_upper / _lower / _dual, approx_kl_old,
@@ -261,13 +297,18 @@ def make_train_step(model, optimizer, schedule, loss_cfg: LossConfig, mesh,
     """
     state_sh = state_shardings(model, optimizer, mesh)
     step = functools.partial(_train_step, model, optimizer, schedule, loss_cfg, num_micro_batches)
-    jitted = jax.jit(step, in_shardings=(state_sh, batch_shardings(mesh, loss_cfg.beta > 0)),
-                     out_shardings=(state_sh, sharding.replicated(mesh)), donate_argnums=0)
+    jitted = jax.jit(
+        step,
+        in_shardings=(state_sh, batch_shardings(mesh, loss_cfg.beta > 0)),
+        out_shardings=(state_sh, sharding.replicated(mesh)),
+        donate_argnums=0,
+    )
     return _on_mesh(jitted, mesh)
 
 
 def _on_mesh(jitted, mesh):
     """`jitted` traced and run under `sharding.activate(mesh)` (logical constraints apply)."""
+
     def call(*args):
         with sharding.activate(mesh):
             return jitted(*args)
@@ -287,13 +328,22 @@ def _mini_batches(batch: Batch, k: int) -> tuple[Batch, ...]:
     if rows % k:
         raise ValueError(f"rollout of {rows} rows does not split into {k} mini-batches")
     size = rows // k
-    take = lambda i, x: nn.with_logical_constraint(x[i * size:(i + 1) * size],
-                                                   ("batch",) + (None,) * (x.ndim - 1))
+    take = lambda i, x: nn.with_logical_constraint(
+        x[i * size : (i + 1) * size], ("batch",) + (None,) * (x.ndim - 1)
+    )
     return tuple(jax.tree.map(functools.partial(take, i), batch) for i in range(k))
 
 
-def train_on_rollout(train_step, logprobs_fn, mesh, state: TrainState, rollout: Rollout,
-                     num_mini_batches: int, ref_params=None, old_logp_BxT=None):
+def train_on_rollout(
+    train_step,
+    logprobs_fn,
+    mesh,
+    state: TrainState,
+    rollout: Rollout,
+    num_mini_batches: int,
+    ref_params=None,
+    old_logp_BxT=None,
+):
     """k = `num_mini_batches` updates on contiguous slices of `rollout` (groups stay whole).
 
     log pi_old is computed once with the current params before the first update (so the first
@@ -303,8 +353,9 @@ def train_on_rollout(train_step, logprobs_fn, mesh, state: TrainState, rollout: 
     """
     if old_logp_BxT is None:
         old_logp_BxT = logprobs_fn(state.params, rollout.tokens_BxT, rollout.mask_BxT)
-    ref_logp_BxT = (None if ref_params is None
-                    else logprobs_fn(ref_params, rollout.tokens_BxT, rollout.mask_BxT))
+    ref_logp_BxT = (
+        None if ref_params is None else logprobs_fn(ref_params, rollout.tokens_BxT, rollout.mask_BxT)
+    )
     with sharding.activate(mesh):
         minis = _mini_batches(Batch(*rollout, old_logp_BxT, ref_logp_BxT), num_mini_batches)
     metrics = []

@@ -24,9 +24,16 @@ import transformers
 
 from dapo_jax import hf_io, model, sampler, sharding
 
-QWEN2_TINY = dict(vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                  tie_word_embeddings=False)
+QWEN2_TINY = dict(
+    vocab_size=4096,
+    hidden_size=256,
+    intermediate_size=704,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+)
 
 
 def prompts(batch, width, vocab, seed=0):
@@ -38,8 +45,7 @@ def prompts(batch, width, vocab, seed=0):
 
 def ours(m, params, mesh, tokens, mask, new, group=1):
     """A function that runs our sampler once (compiled here) and returns its seconds."""
-    cfg = sampler.SamplingConfig(max_new_tokens=new, eos_ids=(), pad_id=0,
-                                 prompt_buckets=(tokens.shape[1],))
+    cfg = sampler.SamplingConfig(max_new_tokens=new, eos_ids=(), pad_id=0, prompt_buckets=(tokens.shape[1],))
     s = sampler.Sampler(m, cfg, mesh)
     out = jax.block_until_ready(s.generate(params, tokens, mask, group, jax.random.key(0)))
     assert int(out["length"].min()) == new
@@ -49,6 +55,7 @@ def ours(m, params, mesh, tokens, mask, new, group=1):
         jax.block_until_ready(s.generate(params, tokens, mask, group, jax.random.key(seed)))
         assert s.num_traces == 1
         return time.perf_counter() - start
+
     return run
 
 
@@ -56,8 +63,15 @@ def theirs(model_dir, tokens, mask, new, group=1):
     """A function that runs transformers `generate` once (warmed up here) and returns its seconds."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     ids, attn = torch.tensor(tokens, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
-    kw = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, eos_token_id=None,
-              pad_token_id=0, num_return_sequences=group)
+    kw = dict(
+        do_sample=True,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        eos_token_id=None,
+        pad_token_id=0,
+        num_return_sequences=group,
+    )
     with torch.inference_mode():
         hf.generate(input_ids=ids, attention_mask=attn, max_new_tokens=8, **kw)  # warm-up
 
@@ -69,6 +83,7 @@ def theirs(model_dir, tokens, mask, new, group=1):
             seconds = time.perf_counter() - start
         assert out.shape == (tokens.shape[0] * group, tokens.shape[1] + new)
         return seconds
+
     return run
 
 
@@ -123,16 +138,25 @@ def main():
     mesh = sharding.make_mesh({"data": -1}, devices=jax.devices()[:1])
     params = hf_io.load_params(model_dir, m, mesh)
     tokens, mask = prompts(b // g, l, cfg.vocab_size)
-    print(f"model: Qwen2 {cfg.num_params() / 1e6:.2f}M params ({QWEN2_TINY}); batch {b} x {n} new "
-          f"tokens ({b // g} prompts x {g}), prompts left padded to {l}; "
-          f"jax {jax.__version__} on {jax.devices()[0].platform}, "
-          f"torch {torch.__version__} with {torch.get_num_threads()} threads")
+    print(
+        f"model: Qwen2 {cfg.num_params() / 1e6:.2f}M params ({QWEN2_TINY}); batch {b} x {n} new "
+        f"tokens ({b // g} prompts x {g}), prompts left padded to {l}; "
+        f"jax {jax.__version__} on {jax.devices()[0].platform}, "
+        f"torch {torch.__version__} with {torch.get_num_threads()} threads"
+    )
 
-    times = interleaved({"ours": ours(m, params, mesh, tokens, mask, n, g),
-                         "transformers": theirs(model_dir, tokens, mask, n, g)}, args.repeats)
+    times = interleaved(
+        {
+            "ours": ours(m, params, mesh, tokens, mask, n, g),
+            "transformers": theirs(model_dir, tokens, mask, n, g),
+        },
+        args.repeats,
+    )
     for name, sec in times.items():
-        print(f"{name + ':':14s}{b * n / sec:9.0f} tokens/s  ({sec:.2f} s per batch, "
-              f"{1e3 * sec / n:.1f} ms/step; median of {args.repeats})")
+        print(
+            f"{name + ':':14s}{b * n / sec:9.0f} tokens/s  ({sec:.2f} s per batch, "
+            f"{1e3 * sec / n:.1f} ms/step; median of {args.repeats})"
+        )
     print(f"ratio ours / transformers: {times['transformers'] / times['ours']:.2f}x")
 
     # What bounds a decode step of B rows over a mean of S cache slots.
@@ -146,18 +170,22 @@ def main():
     peak_flops, bandwidth = matmul_flops_per_s(), bytes_per_s()
     step = times["ours"] / n
     achieved = flops_token * b / step
-    print(f"compute: {flops_token / 1e6:.1f} MFLOP/token -> {achieved / 1e9:.1f} GFLOP/s achieved vs "
-          f"{peak_flops / 1e9:.1f} GFLOP/s measured f32 matmul peak ({achieved / peak_flops:.0%})")
+    print(
+        f"compute: {flops_token / 1e6:.1f} MFLOP/token -> {achieved / 1e9:.1f} GFLOP/s achieved vs "
+        f"{peak_flops / 1e9:.1f} GFLOP/s measured f32 matmul peak ({achieved / peak_flops:.0%})"
+    )
     mem_step = (weight_bytes + kv_bytes) / bandwidth
-    print(f"memory: {weight_bytes / 2**20:.1f} MiB weights + {kv_bytes / 2**20:.1f} MiB KV cache "
-          f"(a mean {s:.0f} of {phases[-1][1]} slots read) "
-          f"per step -> {1e3 * mem_step:.2f} ms at {bandwidth / 2**30:.1f} GiB/s measured "
-          f"({mem_step / step:.0%} of the {1e3 * step:.1f} ms step)")
+    print(
+        f"memory: {weight_bytes / 2**20:.1f} MiB weights + {kv_bytes / 2**20:.1f} MiB KV cache "
+        f"(a mean {s:.0f} of {phases[-1][1]} slots read) "
+        f"per step -> {1e3 * mem_step:.2f} ms at {bandwidth / 2**30:.1f} GiB/s measured "
+        f"({mem_step / step:.0%} of the {1e3 * step:.1f} ms step)"
+    )
     rows = min(8, len(tokens))
-    small = interleaved({"few": ours(m, params, mesh, tokens[:rows], mask[:rows], n)},
-                        args.repeats)["few"] / n
-    print(f"per-step floor (batch {rows}): {1e3 * small:.2f} ms = {small / step:.0%} of the "
-          f"batch-{b} step")
+    small = (
+        interleaved({"few": ours(m, params, mesh, tokens[:rows], mask[:rows], n)}, args.repeats)["few"] / n
+    )
+    print(f"per-step floor (batch {rows}): {1e3 * small:.2f} ms = {small / step:.0%} of the batch-{b} step")
 
 
 if __name__ == "__main__":

@@ -24,8 +24,16 @@ import numpy as np
 from dapo_jax import model, sharding
 from dapo_jax import train_step as ts
 
-CFG = model.ModelConfig(vocab_size=8192, hidden_size=384, intermediate_size=1536, num_layers=6,
-                        num_heads=6, num_kv_heads=6, head_dim=64, dtype="float32")
+CFG = model.ModelConfig(
+    vocab_size=8192,
+    hidden_size=384,
+    intermediate_size=1536,
+    num_layers=6,
+    num_heads=6,
+    num_kv_heads=6,
+    head_dim=64,
+    dtype="float32",
+)
 
 
 def matmul_flops_per_s(n: int, reps: int) -> float:
@@ -63,8 +71,16 @@ def main():
     mesh = sharding.make_mesh({"data": -1}, devices=jax.devices()[:1])
     schedule = ts.learning_rate_schedule(1e-6, 10, "constant")
     opt = ts.make_optimizer(schedule, weight_decay=0.1, max_grad_norm=1.0)
-    loss_cfg = ts.LossConfig(eps_low=0.2, eps_high=0.28, clip_ratio_c=10.0, agg_mode="token-mean",
-                             norm_const=None, beta=0.0, entropy_coef=0.0, temperature=1.0)
+    loss_cfg = ts.LossConfig(
+        eps_low=0.2,
+        eps_high=0.28,
+        clip_ratio_c=10.0,
+        agg_mode="token-mean",
+        norm_const=None,
+        beta=0.0,
+        entropy_coef=0.0,
+        temperature=1.0,
+    )
     step = ts.make_train_step(m, opt, schedule, loss_cfg, mesh, num_micro_batches=1)
     state = ts.init_train_state(m, opt, mesh, sharding.init_params(m, mesh, jax.random.key(0)))
     batch = synthetic_batch(args.batch, args.seq)
@@ -91,18 +107,25 @@ def main():
     best = min(times)
 
     print(f"backend {jax.default_backend()}, {jax.devices()[0].device_kind}")
-    print(f"model {n_params / 1e6:.1f}M params ({n_matmul / 1e6:.1f}M in matmuls), "
-          f"batch {args.batch} x seq {args.seq} = {tokens} tokens/step, float32")
+    print(
+        f"model {n_params / 1e6:.1f}M params ({n_matmul / 1e6:.1f}M in matmuls), "
+        f"batch {args.batch} x seq {args.seq} = {tokens} tokens/step, float32"
+    )
     print(f"FLOPs/step = 6*{n_matmul}*{tokens} + 12*L*H*Q*T*tokens ({attn:.3g}) = {flops:.3g}")
-    print(f"first step (compile + run) {compile_s:.1f} s; step times "
-          f"{', '.join(f'{x:.2f}' for x in times)} s")
+    print(
+        f"first step (compile + run) {compile_s:.1f} s; step times {', '.join(f'{x:.2f}' for x in times)} s"
+    )
     print(f"train step: {tokens / best:,.0f} tokens/s, {flops / best / 1e9:.1f} GFLOP/s")
-    print(f"dense {args.matmul}^3 f32 matmul: {peak_before / 1e9:.1f} GFLOP/s before, "
-          f"{peak_after / 1e9:.1f} after")
-    print(f"achieved / matmul: {flops / best / peak:.1%} "
-          f"(counting all {n_params / 1e6:.1f}M params as 6N: "
-          f"{(6 * n_params * tokens + attn) / best / peak:.1%}); "
-          f"loss {float(metrics['loss']):.4f}, skipped {float(metrics['skipped']):.0f}")
+    print(
+        f"dense {args.matmul}^3 f32 matmul: {peak_before / 1e9:.1f} GFLOP/s before, "
+        f"{peak_after / 1e9:.1f} after"
+    )
+    print(
+        f"achieved / matmul: {flops / best / peak:.1%} "
+        f"(counting all {n_params / 1e6:.1f}M params as 6N: "
+        f"{(6 * n_params * tokens + attn) / best / peak:.1%}); "
+        f"loss {float(metrics['loss']):.4f}, skipped {float(metrics['skipped']):.0f}"
+    )
 
 
 if __name__ == "__main__":

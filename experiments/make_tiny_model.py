@@ -33,14 +33,27 @@ from dapo_jax import hf_io, model, sft, sharding, synthetic
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # pad, turn start, end of turn (EOS)
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
-    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 HF_CONFIG = {
-    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 128,
-    "hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "hidden_act": "silu",
-    "max_position_embeddings": 1024, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "vocab_size": 128,
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "hidden_act": "silu",
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-    "use_sliding_window": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+    "use_sliding_window": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
 }
 
 
@@ -52,17 +65,18 @@ def build_tokenizer() -> transformers.PreTrainedTokenizerFast:
     tok.add_special_tokens(list(SPECIALS))
     tok.decoder = decoders.Fuse()
     return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        chat_template=CHAT_TEMPLATE)
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
+    )
 
 
 def sft_arrays(tokenizer, rows, seq_len):
     """`sft.sft_batch` of rows: the chat-templated bare problem, its worked solution, EOS."""
-    prompts = [tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True,
-                                             tokenize=False) for row in rows]
+    prompts = [
+        tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
+        for row in rows
+    ]
     x = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-    y = tokenizer([row["extra_info"]["solution"] for row in rows],
-                  add_special_tokens=False)["input_ids"]
+    y = tokenizer([row["extra_info"]["solution"] for row in rows], add_special_tokens=False)["input_ids"]
     return sft.sft_batch(x, y, tokenizer.eos_token_id, tokenizer.pad_token_id, seq_len)
 
 
@@ -103,10 +117,15 @@ def main():
     parser.add_argument("--seq_len", type=int, default=128)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--direct_fraction", type=float, default=0.0,
-                        help="share of SFT solutions that give the answer without working")
-    parser.add_argument("--init", default=None,
-                        help="continue from this model directory instead of random weights")
+    parser.add_argument(
+        "--direct_fraction",
+        type=float,
+        default=0.0,
+        help="share of SFT solutions that give the answer without working",
+    )
+    parser.add_argument(
+        "--init", default=None, help="continue from this model directory instead of random weights"
+    )
     args = parser.parse_args()
 
     tokenizer = build_tokenizer()
@@ -118,10 +137,22 @@ def main():
     cfg = hf_io.config_from_hf(HF_CONFIG, dtype="float32")
     m = model.Transformer(cfg)
     mesh = sharding.make_mesh({"data": -1}, devices=jax.devices()[:1])
-    params = (hf_io.load_params(args.init, m, mesh) if args.init
-              else sharding.init_params(m, mesh, jax.random.key(args.seed)))
-    params = train(params, m, tokenizer, rows, steps=args.steps, batch=args.batch,
-                   seq_len=args.seq_len, lr=args.lr, seed=args.seed)
+    params = (
+        hf_io.load_params(args.init, m, mesh)
+        if args.init
+        else sharding.init_params(m, mesh, jax.random.key(args.seed))
+    )
+    params = train(
+        params,
+        m,
+        tokenizer,
+        rows,
+        steps=args.steps,
+        batch=args.batch,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        seed=args.seed,
+    )
 
     hf_io.save_params(params, HF_CONFIG, args.out)
     tokenizer.save_pretrained(args.out)

@@ -2,8 +2,9 @@
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
@@ -17,13 +18,23 @@ def build_hf_model(arch: str, out_dir: str, **overrides) -> str:
     import transformers
 
     torch.manual_seed(0)
-    common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  rms_norm_eps=1e-6, tie_word_embeddings=False)
+    common = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
     common.update(overrides)
-    classes = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-               "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-               "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}
+    classes = {
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    }
     config_cls, model_cls = classes[arch]
     model = model_cls(config_cls(**common))
     with torch.no_grad():  # random, non-zero biases and norm scales so that they are tested too
@@ -49,8 +60,13 @@ def qwen3_dir(tmp_path_factory):
     """Qwen3 as its small sizes are: tied embeddings, and head_dim (24) apart from
     hidden_size / num_attention_heads (16). Weights of std 0.2: at 0.02 the tied head's logits
     favour the input token and greedy decoding repeats one token."""
-    return build_hf_model("qwen3", str(tmp_path_factory.mktemp("qwen3")), head_dim=24,
-                          tie_word_embeddings=True, initializer_range=0.2)
+    return build_hf_model(
+        "qwen3",
+        str(tmp_path_factory.mktemp("qwen3")),
+        head_dim=24,
+        tie_word_embeddings=True,
+        initializer_range=0.2,
+    )
 
 
 # Metrics that measure time or count the reward workers' life, not the run's maths.
@@ -58,11 +74,22 @@ WALL_CLOCK = ("timing/", "throughput/", "reward/")
 
 # A tiny DAPO config shrunk to test size; shapes divide the 8 fake devices.
 SMALL = {
-    "train.steps": 1, "train.train_batch_prompts": 4, "train.mini_batch_prompts": 2,
-    "train.micro_batch_size": 8, "train.length_bucket": 16, "rollout.group_size": 4,
-    "rollout.max_new_tokens": 40, "reward.overlong_buffer": 8, "reward.num_workers": 1,
-    "filter.gen_batch_prompts": 8, "filter.max_num_gen_batches": 2, "eval.max_problems": 8,
-    "eval.samples": 2, "eval.batch_prompts": 8, "eval.at_start": False, "eval.every": 0,
+    "train.steps": 1,
+    "train.train_batch_prompts": 4,
+    "train.mini_batch_prompts": 2,
+    "train.micro_batch_size": 8,
+    "train.length_bucket": 16,
+    "rollout.group_size": 4,
+    "rollout.max_new_tokens": 40,
+    "reward.overlong_buffer": 8,
+    "reward.num_workers": 1,
+    "filter.gen_batch_prompts": 8,
+    "filter.max_num_gen_batches": 2,
+    "eval.max_problems": 8,
+    "eval.samples": 2,
+    "eval.batch_prompts": 8,
+    "eval.at_start": False,
+    "eval.every": 0,
     "checkpoint.every": 1,
 }
 
@@ -71,8 +98,7 @@ def small(config, **overrides):
     """`config` with SMALL and then `overrides` ({"section__field": value}) applied."""
     from dapo_jax import overrides as dotted
 
-    return dotted.apply(config, {**SMALL, **{k.replace("__", "."): v
-                                             for k, v in overrides.items()}})
+    return dotted.apply(config, {**SMALL, **{k.replace("__", "."): v for k, v in overrides.items()}})
 
 
 def small_flags(**overrides) -> list[str]:

@@ -16,9 +16,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _aot(*flags):
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, "-m", "dapo_jax.aot", "--config=configs/dapo.py:tiny",
-                           "--topology=cpu:8", *flags], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "dapo_jax.aot", "--config=configs/dapo.py:tiny", "--topology=cpu:8", *flags],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_tiny_programs_compile_and_fit():

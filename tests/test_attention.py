@@ -9,8 +9,17 @@ import pytest
 
 from dapo_jax import model, sharding
 
-CONFIG = model.ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_layers=2,
-                           num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True, dtype="float32")
+CONFIG = model.ModelConfig(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    qkv_bias=True,
+    dtype="float32",
+)
 
 
 def _with_chunk(chunk):
@@ -32,8 +41,7 @@ def test_chunked_equals_whole(params):
     tokens = rng.integers(1, 96, (3, 20)).astype(np.int32)
     mask = np.arange(20)[None] >= np.array([[0], [5], [13]])  # left padding, 20 = 2 x 8 + 4
     whole, chunked = _with_chunk(0), _with_chunk(8)
-    logits = [jax.jit(lambda p, m=m: model.forward(m, p, tokens, mask))(params)
-              for m in (whole, chunked)]
+    logits = [jax.jit(lambda p, m=m: model.forward(m, p, tokens, mask))(params) for m in (whole, chunked)]
     np.testing.assert_allclose(logits[1], logits[0], atol=1e-5)
     grads = [jax.jit(jax.grad(_loss(m, tokens, mask)))(params) for m in (whole, chunked)]
     for g0, g1 in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
@@ -43,7 +51,13 @@ def test_chunked_equals_whole(params):
 
 def test_chunks_bound_the_scores_memory(params):
     tokens, mask = np.ones((2, 512), np.int32), np.ones((2, 512), bool)
-    temp = {chunk: jax.jit(jax.grad(_loss(_with_chunk(chunk), tokens, mask))).lower(params)
-            .compile().memory_analysis().temp_size_in_bytes for chunk in (0, 64)}
+    temp = {
+        chunk: jax.jit(jax.grad(_loss(_with_chunk(chunk), tokens, mask)))
+        .lower(params)
+        .compile()
+        .memory_analysis()
+        .temp_size_in_bytes
+        for chunk in (0, 64)
+    }
     scores = 2 * CONFIG.num_heads * 512 * 512 * 4  # one layer's f32 scores over all queries
     assert temp[0] - temp[64] > CONFIG.num_layers * scores and temp[64] < temp[0] / 4, temp

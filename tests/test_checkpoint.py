@@ -23,16 +23,20 @@ def _state(mesh, offset):
 def test_round_trip_keeps_values_shardings_and_host_state(tmp_path):
     mesh = sharding.make_mesh({"fsdp": -1})
     ckpt = checkpoint.Checkpointer(str(tmp_path), keep=2)
-    host = {"rng": np.array([7, 9], np.uint32), "data": {"epoch": 2, "position": 13},
-            "carry": {"tokens": np.zeros((0, 4), np.int32), "acc": np.array([True, False])},
-            "filter": {"carry": {}}}
+    host = {
+        "rng": np.array([7, 9], np.uint32),
+        "data": {"epoch": 2, "position": 13},
+        "carry": {"tokens": np.zeros((0, 4), np.int32), "acc": np.array([True, False])},
+        "filter": {"carry": {}},
+    }
     for step in (1, 2, 3):
         ckpt.save(step, _state(mesh, step), host)
     ckpt.wait()
     assert ckpt.all_steps() == [2, 3]  # keep-last-2
     assert ckpt.latest_step() == 3
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                            _state(mesh, 0))
+    abstract = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), _state(mesh, 0)
+    )
     state, restored = ckpt.restore(2, abstract)
     ckpt.close()
     np.testing.assert_array_equal(np.asarray(state["params"]["w"]), np.arange(16.0).reshape(8, 2) + 2)
@@ -64,8 +68,9 @@ def _truncate_files(folder):
 
 def test_a_damaged_latest_checkpoint_is_skipped_and_temporary_folders_cleaned(tmp_path, caplog):
     mesh = sharding.make_mesh({"fsdp": -1})
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                            _state(mesh, 0))
+    abstract = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), _state(mesh, 0)
+    )
     first = checkpoint.Checkpointer(str(tmp_path), keep=3, asynchronous=False)
     for step in (1, 2):
         first.save(step, _state(mesh, step), {"n": np.int64(step)})
@@ -77,10 +82,11 @@ def test_a_damaged_latest_checkpoint_is_skipped_and_temporary_folders_cleaned(tm
     with caplog.at_level(logging.WARNING):
         step, state, host = ckpt.restore_latest(abstract)
     assert (step, int(host["n"])) == (1, 1)
-    np.testing.assert_array_equal(np.asarray(state["params"]["w"]),
-                                  np.arange(16.0).reshape(8, 2) + 1)
-    assert any("checkpoint 2 in" in r.getMessage() and "cannot be restored, skipped: " in
-               r.getMessage() for r in caplog.records)
+    np.testing.assert_array_equal(np.asarray(state["params"]["w"]), np.arange(16.0).reshape(8, 2) + 1)
+    assert any(
+        "checkpoint 2 in" in r.getMessage() and "cannot be restored, skipped: " in r.getMessage()
+        for r in caplog.records
+    )
     assert ckpt.all_steps() == [1]  # the damaged one is gone: the resumed run saves step 2 again
     ckpt.save(2, _state(mesh, 2), {"n": np.int64(2)})
     ckpt.close()
@@ -89,8 +95,9 @@ def test_a_damaged_latest_checkpoint_is_skipped_and_temporary_folders_cleaned(tm
 
 def test_no_checkpoint_that_restores_is_one_error_naming_each(tmp_path):
     mesh = sharding.make_mesh({"fsdp": -1})
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                            _state(mesh, 0))
+    abstract = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), _state(mesh, 0)
+    )
     ckpt = checkpoint.Checkpointer(str(tmp_path), asynchronous=False)
     assert ckpt.restore_latest(abstract) is None  # an empty folder: a fresh start
     for step in (1, 2):
@@ -103,12 +110,15 @@ def test_no_checkpoint_that_restores_is_one_error_naming_each(tmp_path):
 
 def test_a_gs_workdir_stays_a_url(monkeypatch):
     opened = []
-    monkeypatch.setattr(checkpoint.ocp, "CheckpointManager",
-                        lambda directory, **kwargs: opened.append(directory))
+    monkeypatch.setattr(
+        checkpoint.ocp, "CheckpointManager", lambda directory, **kwargs: opened.append(directory)
+    )
     checkpoint.Checkpointer("gs://bucket/run1")
     checkpoint.Checkpointer("runs/local")
-    assert [str(d) for d in opened] == ["gs://bucket/run1/checkpoints",
-                                        os.path.join(os.getcwd(), "runs/local/checkpoints")]
+    assert [str(d) for d in opened] == [
+        "gs://bucket/run1/checkpoints",
+        os.path.join(os.getcwd(), "runs/local/checkpoints"),
+    ]
 
 
 def test_installing_needs_python_3_11():
@@ -127,8 +137,9 @@ def test_a_filter_carry_with_predictions_round_trips_through_orbax(tmp_path):
     sampler.take()  # groups 1 and 2 are carried
     ckpt = checkpoint.Checkpointer(str(tmp_path), asynchronous=False)
     ckpt.save(1, _state(mesh, 1), {"filter": sampler.state()})
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                            _state(mesh, 0))
+    abstract = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), _state(mesh, 0)
+    )
     _, host = ckpt.restore(1, abstract)
     ckpt.close()
     resumed = ds(1, carry_over=True)

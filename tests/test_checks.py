@@ -11,11 +11,20 @@ from dapo_jax import data, overrides, run
 from dapo_jax.errors import ConfigError, DataFileError
 
 
-@pytest.mark.parametrize("value,interval,inside", [
-    (0, "[0, 1)", True), (1, "[0, 1)", False), (-0.5, "[0, 1)", False), (0.999, "[0, 1)", True),
-    (0, "(0, inf)", False), (1e-9, "(0, inf)", True), (1, "(0, 1]", True), (1.5, "(0, 1]", False),
-    (10**9, "[1, inf)", True),
-])
+@pytest.mark.parametrize(
+    "value,interval,inside",
+    [
+        (0, "[0, 1)", True),
+        (1, "[0, 1)", False),
+        (-0.5, "[0, 1)", False),
+        (0.999, "[0, 1)", True),
+        (0, "(0, inf)", False),
+        (1e-9, "(0, inf)", True),
+        (1, "(0, 1]", True),
+        (1.5, "(0, 1]", False),
+        (10**9, "[1, inf)", True),
+    ],
+)
 def test_in_interval(value, interval, inside):
     assert run.in_interval(value, interval) is inside
 
@@ -25,33 +34,46 @@ def test_shipped_configs_are_in_range(variant):
     run.check_ranges(dapo.get_config(variant))
 
 
-@pytest.mark.parametrize("key,value,message", [
-    ("train.steps", -3, "train.steps must be in [1, inf), got -3"),
-    ("train.steps", 0, "train.steps must be in [1, inf), got 0"),
-    ("loss.eps_low", -0.5, "loss.eps_low must be in [0, 1), got -0.5"),
-    ("loss.eps_low", 1.0, "loss.eps_low must be in [0, 1), got 1.0"),
-    ("loss.eps_high", -0.1, "loss.eps_high must be in [0, inf), got -0.1"),
-    ("rollout.group_size", 0, "rollout.group_size must be in [1, inf), got 0"),
-    ("optim.lr", 0.0, "optim.lr must be in (0, inf), got 0.0"),
-    ("optim.lr", -1e-6, "optim.lr must be in (0, inf), got -1e-06"),
-    ("rollout.max_new_tokens", 0, "rollout.max_new_tokens must be in [1, inf), got 0"),
-    ("data.max_prompt_len", 0, "data.max_prompt_len must be in [1, inf), got 0"),
-    ("rollout.top_p", 0.0, "rollout.top_p must be in (0, 1], got 0.0"),
-    ("rollout.temperature", 0.0, "rollout.temperature must be in (0, inf), got 0.0"),
-    ("checkpoint.every", 0, "checkpoint.every must be in [1, inf), got 0"),
-    ("train.micro_batch_size", 0, "train.micro_batch_size must be in [1, inf), got 0"),
-    ("filter.max_num_gen_batches", -1, "filter.max_num_gen_batches must be in [0, inf), got -1"),
-    ("reward.overlong_buffer", 200, "reward.overlong_buffer 200 exceeds rollout.max_new_tokens 96"),
-    ("loss.clip_ratio_c", 0.5, "loss.clip_ratio_c must be 0 (off) or > 1, got 0.5"),
-    ("data.prompt_buckets", (0,), "data.prompt_buckets must be positive lengths, got (0,)"),
-    ("filter.metric", "length",
-     "config.filter: filter metric must be one of ('acc', 'score', 'reward'), got 'length'"),
-    ("filter.on_exhausted", "crash",
-     "config.filter: on_exhausted must be one of ('mask', 'raise'), got 'crash'"),
-    ("reward.fn", "math", "config.reward: unknown reward fn 'math'; valid names: "
-                          "['math_dapo', 'math_verify'], or 'module:function', or "
-                          "'path/to/file.py:function'"),
-])
+@pytest.mark.parametrize(
+    "key,value,message",
+    [
+        ("train.steps", -3, "train.steps must be in [1, inf), got -3"),
+        ("train.steps", 0, "train.steps must be in [1, inf), got 0"),
+        ("loss.eps_low", -0.5, "loss.eps_low must be in [0, 1), got -0.5"),
+        ("loss.eps_low", 1.0, "loss.eps_low must be in [0, 1), got 1.0"),
+        ("loss.eps_high", -0.1, "loss.eps_high must be in [0, inf), got -0.1"),
+        ("rollout.group_size", 0, "rollout.group_size must be in [1, inf), got 0"),
+        ("optim.lr", 0.0, "optim.lr must be in (0, inf), got 0.0"),
+        ("optim.lr", -1e-6, "optim.lr must be in (0, inf), got -1e-06"),
+        ("rollout.max_new_tokens", 0, "rollout.max_new_tokens must be in [1, inf), got 0"),
+        ("data.max_prompt_len", 0, "data.max_prompt_len must be in [1, inf), got 0"),
+        ("rollout.top_p", 0.0, "rollout.top_p must be in (0, 1], got 0.0"),
+        ("rollout.temperature", 0.0, "rollout.temperature must be in (0, inf), got 0.0"),
+        ("checkpoint.every", 0, "checkpoint.every must be in [1, inf), got 0"),
+        ("train.micro_batch_size", 0, "train.micro_batch_size must be in [1, inf), got 0"),
+        ("filter.max_num_gen_batches", -1, "filter.max_num_gen_batches must be in [0, inf), got -1"),
+        ("reward.overlong_buffer", 200, "reward.overlong_buffer 200 exceeds rollout.max_new_tokens 96"),
+        ("loss.clip_ratio_c", 0.5, "loss.clip_ratio_c must be 0 (off) or > 1, got 0.5"),
+        ("data.prompt_buckets", (0,), "data.prompt_buckets must be positive lengths, got (0,)"),
+        (
+            "filter.metric",
+            "length",
+            "config.filter: filter metric must be one of ('acc', 'score', 'reward'), got 'length'",
+        ),
+        (
+            "filter.on_exhausted",
+            "crash",
+            "config.filter: on_exhausted must be one of ('mask', 'raise'), got 'crash'",
+        ),
+        (
+            "reward.fn",
+            "math",
+            "config.reward: unknown reward fn 'math'; valid names: "
+            "['math_dapo', 'math_verify'], or 'module:function', or "
+            "'path/to/file.py:function'",
+        ),
+    ],
+)
 def test_out_of_range_value_is_named(key, value, message):
     c = overrides.apply(dapo.get_config("tiny"), {key: value})
     with pytest.raises(ConfigError) as e:
@@ -68,9 +90,14 @@ def _bad_files(tmp):
     empty_jsonl.write_text("\n  \n")
     csv = tmp / "train.csv"
     csv.write_text("a,b\n")
-    return [(not_parquet, "is not a readable parquet file"), (empty_parquet, "has no rows"),
-            (empty_jsonl, "has no rows"), (csv, "expected a .parquet or .jsonl file"),
-            (tmp, "is a directory"), (tmp / "nowhere.jsonl", "does not exist")]
+    return [
+        (not_parquet, "is not a readable parquet file"),
+        (empty_parquet, "has no rows"),
+        (empty_jsonl, "has no rows"),
+        (csv, "expected a .parquet or .jsonl file"),
+        (tmp, "is a directory"),
+        (tmp / "nowhere.jsonl", "does not exist"),
+    ]
 
 
 def test_bad_data_files_are_named(tmp_path):
@@ -88,8 +115,11 @@ def test_file_without_usable_rows_is_named(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"prompt": "not a list"}) + "\nnot json\n")
     data.check_data_file(str(path))  # it has lines: only loading it finds them unusable
-    with pytest.raises(DataFileError, match=f"^data file '{path}' has no usable rows "
-                                            r"\(2 rows, 2 malformed\)$"):
+    with pytest.raises(
+        DataFileError,
+        match=f"^data file '{path}' has no usable rows "
+        r"\(2 rows, 2 malformed\)$",
+    ):
         data.load_prompts(str(path), None, 8)
 
 
@@ -97,8 +127,7 @@ def test_workdir_that_is_a_file_is_named(tmp_path):
     f = tmp_path / "run"
     f.write_text("")
     for workdir in (f, f / "sub"):
-        with pytest.raises(ConfigError, match=f"^workdir '{workdir}': '{f}' is a file, not a "
-                                              "folder$"):
+        with pytest.raises(ConfigError, match=f"^workdir '{workdir}': '{f}' is a file, not a folder$"):
             run.check_workdir(str(workdir))
     run.check_workdir(str(tmp_path / "new" / "run"))  # a folder still to create is fine
     run.check_workdir(str(tmp_path))

@@ -33,8 +33,11 @@ def test_unknown_variant_lists_the_valid_ones():
 
 def flat(c) -> dict:
     """Every leaf of a config as {"section.key": value}."""
-    return {f"{s}.{k}": v for s, section in c.to_dict().items()
-            for k, v in (section.items() if isinstance(section, dict) else [("", section)])}
+    return {
+        f"{s}.{k}": v
+        for s, section in c.to_dict().items()
+        for k, v in (section.items() if isinstance(section, dict) else [("", section)])
+    }
 
 
 @pytest.mark.parametrize("variant", sorted(dapo.VARIANTS))
@@ -43,14 +46,18 @@ def test_grpo_is_the_baseline_and_the_ablations_first_row(variant):
     assert (c.loss.eps_low, c.loss.eps_high, c.loss.clip_ratio_c) == (0.2, 0.2, 10.0)
     assert c.loss.agg_mode == "seq-mean-token-mean" and c.loss.beta == 0.0
     assert not (c.filter.enable or c.reward.overlong_penalty or c.reward.overlong_filter)
-    assert (c.filter.gen_batch_prompts, c.filter.max_num_gen_batches) == (
-        c.train.train_batch_prompts, 1)
+    assert (c.filter.gen_batch_prompts, c.filter.max_num_gen_batches) == (c.train.train_batch_prompts, 1)
     assert flat(c) == flat(ablation.get_config(f"naive_grpo,{variant}"))
     # Against DAPO, naive GRPO differs in exactly these keys.
     ref = flat(dapo.get_config(variant))
     assert {k for k, v in flat(c).items() if ref[k] != v} == {
-        "loss.eps_high", "loss.agg_mode", "reward.overlong_penalty", "filter.enable",
-        "filter.gen_batch_prompts", "filter.max_num_gen_batches"}
+        "loss.eps_high",
+        "loss.agg_mode",
+        "reward.overlong_penalty",
+        "filter.enable",
+        "filter.gen_batch_prompts",
+        "filter.max_num_gen_batches",
+    }
 
 
 @pytest.mark.parametrize("variant", sorted(dapo.VARIANTS))
@@ -74,8 +81,9 @@ def test_warm_up_counts_rollout_steps_and_the_first_update_learns():
     assert c.optim.warmup_rollout_steps == 20
     schedule = run.learning_rate_schedule(c)  # 16 updates a rollout step: 320 warm-up updates
     lr = [float(schedule(s)) for s in (0, 1, 15, 318, 319, 320, 5000)]
-    np.testing.assert_allclose(lr, [1e-6 / 320, 2e-6 / 320, 16e-6 / 320, 319e-6 / 320, 1e-6,
-                                    1e-6, 1e-6], rtol=1e-6)
+    np.testing.assert_allclose(
+        lr, [1e-6 / 320, 2e-6 / 320, 16e-6 / 320, 319e-6 / 320, 1e-6, 1e-6, 1e-6], rtol=1e-6
+    )
     c.optim.warmup_rollout_steps = 0
     assert float(run.learning_rate_schedule(c)(0)) == pytest.approx(1e-6)
 
@@ -88,12 +96,19 @@ def test_warm_up_counts_rollout_steps_and_the_first_update_learns():
 #   grpo:    no filter (one generation batch, all-equal groups kept), seq-mean-token-mean;
 #   grpo_kl: β > 0, the reference model loaded and its log-probs in the loss.
 @pytest.mark.slow
-@pytest.mark.parametrize("name,config", [
-    ("dapo", lambda: dapo.get_config("tiny")),
-    ("grpo", lambda: grpo.get_config("tiny")),
-    ("grpo_kl", lambda: small(grpo.get_config("tiny"), loss__beta=0.001,
-                              reference__path=dapo.get_config("tiny").model.path)),
-])
+@pytest.mark.parametrize(
+    "name,config",
+    [
+        ("dapo", lambda: dapo.get_config("tiny")),
+        ("grpo", lambda: grpo.get_config("tiny")),
+        (
+            "grpo_kl",
+            lambda: small(
+                grpo.get_config("tiny"), loss__beta=0.001, reference__path=dapo.get_config("tiny").model.path
+            ),
+        ),
+    ],
+)
 def test_small_variant_runs_one_step(name, config, tmp_path):
     summary = train.train(small(config()), str(tmp_path))
     assert summary["actor/skipped_updates"] == 0

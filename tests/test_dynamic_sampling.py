@@ -12,26 +12,30 @@ from dapo_jax.records import GenerationBatch
 G = 2
 
 
-def gen_batch(acc_B, problem_id_B=None, length_B=None, tokens_BxN=None, score_B=None,
-              reward_B=None) -> GenerationBatch:
+def gen_batch(
+    acc_B, problem_id_B=None, length_B=None, tokens_BxN=None, score_B=None, reward_B=None
+) -> GenerationBatch:
     """A GenerationBatch of these fields, every other one zeros (pred: "p<problem id>")."""
     acc_B = np.asarray(acc_B, bool)
     b = len(acc_B)
-    problem_id_B = np.zeros(b, np.int32) if problem_id_B is None else np.asarray(problem_id_B,
-                                                                                 np.int32)
+    problem_id_B = np.zeros(b, np.int32) if problem_id_B is None else np.asarray(problem_id_B, np.int32)
     zeros = lambda dtype, *shape: np.zeros((b, *shape), dtype)
     return GenerationBatch(
-        prompt_tokens_BxQ=zeros(np.int32, 3), prompt_mask_BxQ=zeros(bool, 3),
+        prompt_tokens_BxQ=zeros(np.int32, 3),
+        prompt_mask_BxQ=zeros(bool, 3),
         tokens_BxN=zeros(np.int32, 2) if tokens_BxN is None else tokens_BxN,
-        mask_BxN=zeros(bool, 2), logp_BxN=zeros(np.float32, 2),
+        mask_BxN=zeros(bool, 2),
+        logp_BxN=zeros(np.float32, 2),
         length_B=zeros(np.int32) if length_B is None else np.asarray(length_B, np.int32),
-        truncated_B=zeros(bool), problem_id_B=problem_id_B,
+        truncated_B=zeros(bool),
+        problem_id_B=problem_id_B,
         response_B=np.asarray([f"r{p}" for p in problem_id_B], str),
         pred_B=np.asarray([f"p{p}" for p in problem_id_B], str),
         score_B=zeros(np.float32) if score_B is None else np.asarray(score_B, np.float32),
         acc_B=acc_B,
         reward_B=zeros(np.float32) if reward_B is None else np.asarray(reward_B, np.float32),
-        loss_keep_B=np.ones(b, bool))
+        loss_keep_B=np.ones(b, bool),
+    )
 
 
 def scripted(groups_per_batch):
@@ -46,9 +50,14 @@ def scripted(groups_per_batch):
         next_id += len(groups)
         prompt_id = np.repeat(ids, G)
         row = np.tile(np.arange(G), len(groups))
-        batches.append(gen_batch(np.array(groups, bool).reshape(-1), prompt_id,
-                                 10 * prompt_id + row,
-                                 np.stack([prompt_id, row], axis=1).astype(np.int32)))
+        batches.append(
+            gen_batch(
+                np.array(groups, bool).reshape(-1),
+                prompt_id,
+                10 * prompt_id + row,
+                np.stack([prompt_id, row], axis=1).astype(np.int32),
+            )
+        )
     return iter(batches)
 
 
@@ -59,17 +68,37 @@ def fill(sampler, source):
     return sampler.take()
 
 
-def ds(train_batch_groups, group_size=G, max_num_gen_batches=10, *, filter_groups=True,
-       metric="acc", carry_over=False, on_exhausted="mask"):
-    return DynamicSampler(train_batch_groups, group_size, max_num_gen_batches,
-                          filter_groups=filter_groups, metric=metric, carry_over=carry_over,
-                          on_exhausted=on_exhausted)
+def ds(
+    train_batch_groups,
+    group_size=G,
+    max_num_gen_batches=10,
+    *,
+    filter_groups=True,
+    metric="acc",
+    carry_over=False,
+    on_exhausted="mask",
+):
+    return DynamicSampler(
+        train_batch_groups,
+        group_size,
+        max_num_gen_batches,
+        filter_groups=filter_groups,
+        metric=metric,
+        carry_over=carry_over,
+        on_exhausted=on_exhausted,
+    )
 
 
 # prompts:  p0 all-correct, p1 kept | p2 all-wrong, p3 kept | p4 kept, p5 kept |
 #           p6 all-correct, p7 kept | p8 kept, p9 all-wrong | p10 kept, p11 kept
-SCRIPT = [[(1, 1), (1, 0)], [(0, 0), (0, 1)], [(1, 0), (0, 1)],
-          [(1, 1), (0, 1)], [(1, 0), (0, 0)], [(0, 1), (1, 0)]]
+SCRIPT = [
+    [(1, 1), (1, 0)],
+    [(0, 0), (0, 1)],
+    [(1, 0), (0, 1)],
+    [(1, 1), (0, 1)],
+    [(1, 0), (0, 0)],
+    [(0, 1), (1, 0)],
+]
 
 
 def test_trims_to_whole_groups_and_discards_leftovers():
@@ -106,8 +135,10 @@ def test_carry_over_keeps_leftovers_and_checkpoints_them():
     source, sampler = scripted(SCRIPT), ds(3, carry_over=True)
     fill(sampler, source)
     state = sampler.state()
-    assert all(isinstance(v, np.ndarray) and v.dtype != object and v.dtype.kind != "U"
-               for v in state["carry"].values())  # what orbax writes
+    assert all(
+        isinstance(v, np.ndarray) and v.dtype != object and v.dtype.kind != "U"
+        for v in state["carry"].values()
+    )  # what orbax writes
     np.testing.assert_array_equal(state["carry"]["problem_id_B"], [5, 5])
 
     batch, stats = fill(sampler, source)  # p5 from the carry, then p7, p8 from two batches
@@ -127,8 +158,7 @@ def test_carry_over_keeps_leftovers_and_checkpoints_them():
     resumed.restore({"carry": {k: v.copy() for k, v in state["carry"].items()}})
     again, _ = fill(resumed, remaining)
     for field in dataclasses.fields(batch.rows):
-        np.testing.assert_array_equal(getattr(again.rows, field.name),
-                                      getattr(batch.rows, field.name))
+        np.testing.assert_array_equal(getattr(again.rows, field.name), getattr(batch.rows, field.name))
     np.testing.assert_array_equal(again.rows.pred_B, ["p5", "p5", "p7", "p7", "p8", "p8"])
     np.testing.assert_array_equal(again.carried_B, batch.carried_B)
 
@@ -212,8 +242,12 @@ def test_zero_max_num_gen_batches_means_no_bound():
 
 def test_filter_on_score_or_reward_keeps_groups_that_differ_there():
     # Both groups are all-wrong by acc; the second differs in the shaped reward only.
-    gen = gen_batch(np.zeros(4, bool), np.repeat([0, 1], 2), score_B=np.full(4, -1.0),
-                    reward_B=np.array([-1.0, -1.0, -1.0, -1.5]))
+    gen = gen_batch(
+        np.zeros(4, bool),
+        np.repeat([0, 1], 2),
+        score_B=np.full(4, -1.0),
+        reward_B=np.array([-1.0, -1.0, -1.0, -1.5]),
+    )
     kept = lambda metric: fill(ds(1, max_num_gen_batches=1, metric=metric), iter([gen]))[0]
     assert not kept("acc").valid_B.any() and not kept("score").valid_B.any()
     np.testing.assert_array_equal(kept("reward").rows.problem_id_B, [1, 1])
@@ -233,7 +267,6 @@ def test_prompts_consumed_matches_cost_model(q):
     rng = np.random.default_rng(0)
     source = iter(lambda: gen_batch(rng.random(group_size) < q), None)
     sampler = ds(groups, group_size, max_num_gen_batches=10_000)
-    consumed = [fill(sampler, source)[1]["dynamic_sampling/prompts_consumed"]
-                for _ in range(steps)]
-    p = 1 - q**group_size - (1 - q)**group_size  # q=0.3: 0.7518, q=0.9: 0.3438
+    consumed = [fill(sampler, source)[1]["dynamic_sampling/prompts_consumed"] for _ in range(steps)]
+    p = 1 - q**group_size - (1 - q) ** group_size  # q=0.3: 0.7518, q=0.9: 0.3438
     assert np.mean(consumed) == pytest.approx(groups / p, rel=0.03)

@@ -9,37 +9,41 @@ from dapo_jax import evaluation
 # problem: [(pred, acc)] in sample order; n = 4 samples each.
 TABLE = {
     "A": [("5", True), ("5", True), ("7", False), ("[INVALID]", False)],  # c = 2
-    "B": [("3", False), ("4", True), ("3", False), ("4", True)],          # c = 2, 2-2 tie
-    "C": [("9", False), ("9", False), ("9", False), ("9", False)],        # c = 0
+    "B": [("3", False), ("4", True), ("3", False), ("4", True)],  # c = 2, 2-2 tie
+    "C": [("9", False), ("9", False), ("9", False), ("9", False)],  # c = 0
     "D": [("1", True), ("[INVALID]", False), ("[INVALID]", False), ("[TIMEOUT]", False)],  # c = 1
 }
 
 
 def records():
     """Samples of the four problems interleaved, in sample order within each problem."""
-    return [{"problem_id": pid, "pred": TABLE[pid][i][0], "acc": TABLE[pid][i][1]}
-            for i in range(4) for pid in TABLE]
+    return [
+        {"problem_id": pid, "pred": TABLE[pid][i][0], "acc": TABLE[pid][i][1]}
+        for i in range(4)
+        for pid in TABLE
+    ]
 
 
 def test_metrics_by_hand():
     metrics = evaluation.evaluate(records())
     expected = {
-        "num_problems": 4, "samples_per_problem": 4,
-        "avg@4": (2 / 4 + 2 / 4 + 0 + 1 / 4) / 4,                   # 0.3125
+        "num_problems": 4,
+        "samples_per_problem": 4,
+        "avg@4": (2 / 4 + 2 / 4 + 0 + 1 / 4) / 4,  # 0.3125
         # per-problem .5, .5, 0, .25: squared deviations .035156 x 2, .097656, .003906
         "se_avg@4": math.sqrt((2 * 0.1875**2 + 0.3125**2 + 0.0625**2) / 3) / 2,
         "pass@1": 0.3125,
         "pass@2": ((1 - 1 / 6) + (1 - 1 / 6) + 0 + (1 - 3 / 6)) / 4,  # C(2,2)/C(4,2), C(3,2)/C(4,2)
-        "pass@4": 3 / 4,                                            # any correct
-        "maj@1": (1 + 0 + 0 + 1) / 4,                               # first samples only
-        "maj@2": (1 + 0.5 + 0 + 1) / 4,                             # B: "3" vs "4" tie
-        "maj@4": (1 + 0.5 + 0 + 1) / 4,                             # D: non-answers do not vote
+        "pass@4": 3 / 4,  # any correct
+        "maj@1": (1 + 0 + 0 + 1) / 4,  # first samples only
+        "maj@2": (1 + 0.5 + 0 + 1) / 4,  # B: "3" vs "4" tie
+        "maj@4": (1 + 0.5 + 0 + 1) / 4,  # D: non-answers do not vote
         # standard errors of the per-problem values: pass@1 is c / n again; pass@4 1, 1, 0, 1
         # (mean .75, squared deviations .0625 x 3 and .5625); pass@2 5/6, 5/6, 0, 1/2;
         # maj@1 1, 0, 0, 1 (deviations .5); maj@2 and maj@4 1, .5, 0, 1 (mean .625).
         "se_pass@1": math.sqrt((2 * 0.1875**2 + 0.3125**2 + 0.0625**2) / 3) / 2,
-        "se_pass@2": math.sqrt(sum((x - 13 / 24)**2 for x in (5 / 6, 5 / 6, 0, 1 / 2)) / 3) / 2,
-        "se_pass@4": math.sqrt((3 * 0.0625 + 0.5625) / 3) / 2,      # 0.25
+        "se_pass@2": math.sqrt(sum((x - 13 / 24) ** 2 for x in (5 / 6, 5 / 6, 0, 1 / 2)) / 3) / 2,
+        "se_pass@4": math.sqrt((3 * 0.0625 + 0.5625) / 3) / 2,  # 0.25
         "se_maj@1": math.sqrt(4 * 0.25 / 3) / 2,
         "se_maj@2": math.sqrt((2 * 0.375**2 + 0.125**2 + 0.625**2) / 3) / 2,
         "se_maj@4": math.sqrt((2 * 0.375**2 + 0.125**2 + 0.625**2) / 3) / 2,
@@ -54,8 +58,16 @@ def test_chosen_ks():
     metrics = evaluation.evaluate(records(), ks=[3])
     # pass@3: A, B: 1 - C(2,3)/C(4,3) = 1; D: 1 - C(3,3)/C(4,3) = 3/4.
     assert metrics["pass@3"] == pytest.approx((1 + 1 + 0 + 0.75) / 4)
-    assert set(metrics) == {"num_problems", "samples_per_problem", "avg@4", "se_avg@4", "pass@3",
-                            "se_pass@3", "maj@3", "se_maj@3"}
+    assert set(metrics) == {
+        "num_problems",
+        "samples_per_problem",
+        "avg@4",
+        "se_avg@4",
+        "pass@3",
+        "se_pass@3",
+        "maj@3",
+        "se_maj@3",
+    }
 
 
 def test_pass_at_k_and_majority_pieces():

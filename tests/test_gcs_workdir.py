@@ -12,8 +12,9 @@ from etils.epath import backend
 from fsspec.implementations.memory import MemoryFileSystem
 
 from configs import dapo
-from conftest import small
 from dapo_jax import checkpoint, metrics, paths, plot, train
+
+from conftest import small
 
 URL = "gs://bucket/run1"
 
@@ -25,8 +26,9 @@ def fake_gcs(monkeypatch):
     monkeypatch.setattr(MemoryFileSystem, "store", {})
     monkeypatch.setattr(MemoryFileSystem, "pseudo_dirs", [""])
     real = backend.fsspec_backend.fs
-    monkeypatch.setattr(backend.fsspec_backend, "fs",
-                        lambda path: mem if os.fspath(path).startswith("gs://") else real(path))
+    monkeypatch.setattr(
+        backend.fsspec_backend, "fs", lambda path: mem if os.fspath(path).startswith("gs://") else real(path)
+    )
     return MemoryFileSystem.store
 
 
@@ -50,8 +52,7 @@ def test_metrics_tensorboard_and_plots_go_through_the_path_layer(fake_gcs):
     for path in written:
         assert fake_gcs[path].getvalue()[:8] == b"\x89PNG\r\n\x1a\n"
     events = [k for k in fake_gcs if k.startswith(f"{URL}/tensorboard/events.out.tfevents")]
-    assert len(events) == 2 and all(b"before_filter/acc_mean" in fake_gcs[k].getvalue()
-                                    for k in events)
+    assert len(events) == 2 and all(b"before_filter/acc_mean" in fake_gcs[k].getvalue() for k in events)
     assert _no_local_url_folder()
 
 
@@ -70,7 +71,8 @@ def test_upload_tree_copies_a_local_folder(fake_gcs, tmp_path):
 
 
 def test_a_tiny_run_in_a_gs_workdir_writes_and_reads_back_through_the_path_layer(
-        fake_gcs, tmp_path, monkeypatch):
+    fake_gcs, tmp_path, monkeypatch
+):
     # Orbax writes arrays with tensorstore, whose gcs driver no fake reaches: the checkpointer
     # is handed the URL and keeps its checkpoints in a local folder instead.
     given = []
@@ -88,8 +90,7 @@ def test_a_tiny_run_in_a_gs_workdir_writes_and_reads_back_through_the_path_layer
     train._report(URL, {"export_dir": f"{URL}/export"})
 
     assert given == [URL, URL]
-    records = [json.loads(line) for line in
-               fake_gcs[f"{URL}/metrics.jsonl"].getvalue().decode().splitlines()]
+    records = [json.loads(line) for line in fake_gcs[f"{URL}/metrics.jsonl"].getvalue().decode().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     for name in ("model.safetensors", "config.json", "tokenizer.json"):
         assert f"{URL}/export/{name}" in fake_gcs, name

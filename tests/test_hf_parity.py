@@ -29,9 +29,11 @@ def _hf_logits(model_dir, tokens, mask):
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     positions = np.maximum(np.cumsum(mask, -1) - 1, 0)
     with torch.no_grad():
-        out = hf(input_ids=torch.tensor(tokens, dtype=torch.long),
-                 attention_mask=torch.tensor(mask, dtype=torch.long),
-                 position_ids=torch.tensor(positions, dtype=torch.long))
+        out = hf(
+            input_ids=torch.tensor(tokens, dtype=torch.long),
+            attention_mask=torch.tensor(mask, dtype=torch.long),
+            position_ids=torch.tensor(positions, dtype=torch.long),
+        )
     return out.logits.numpy()
 
 
@@ -60,10 +62,17 @@ def test_left_padding_does_not_change_real_token_logits(qwen2_dir):
 
 
 def test_llama3_rope_scaling_and_tied_embeddings(tmp_path):
-    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
-    model_dir = build_hf_model("llama", str(tmp_path), rope_parameters=rope,
-                               tie_word_embeddings=True, head_dim=32)
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }
+    model_dir = build_hf_model(
+        "llama", str(tmp_path), rope_parameters=rope, tie_word_embeddings=True, head_dim=32
+    )
     rng = np.random.default_rng(1)
     tokens = rng.integers(1, 96, size=(2, 40)).astype(np.int32)  # past 16: scaling matters
     mask = np.ones_like(tokens, bool)
@@ -82,8 +91,7 @@ def test_round_trip_loads_in_transformers(qwen2_dir, tmp_path):
     cfg = hf_io.config_from_hf(hf_io.read_hf_config(out), dtype="float32")
     expected = np.asarray(model.forward(model.Transformer(cfg), params, tokens, mask))
     assert not np.allclose(expected[mask], ours[mask], atol=1e-3)
-    np.testing.assert_allclose(_hf_logits(out, tokens, mask)[mask], expected[mask],
-                               atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(_hf_logits(out, tokens, mask)[mask], expected[mask], atol=1e-4, rtol=1e-4)
     reloaded, _ = _our_logits(out, tokens, mask)  # our loader reads the sharded index too
     np.testing.assert_allclose(reloaded[mask], expected[mask], atol=1e-5)
 
@@ -125,13 +133,15 @@ def test_shape_mismatch_names_file_and_tensor(qwen2_dir, tmp_path):
         json.dump(cfg, f)
     m = model.Transformer(hf_io.config_from_hf(cfg, dtype="float32"))
     mesh = sharding.make_mesh({"data": -1}, devices=jax.devices()[:1])
-    with pytest.raises(ValueError,
-                       match=r"model\.safetensors: tensor model\.layers\.0\.mlp\.\w+_proj\.weight"):
+    with pytest.raises(
+        ValueError, match=r"model\.safetensors: tensor model\.layers\.0\.mlp\.\w+_proj\.weight"
+    ):
         hf_io.load_params(str(bad), m, mesh)
 
 
 def test_missing_tensor_is_named(qwen2_dir, tmp_path):
     from safetensors.numpy import load_file, save_file
+
     tensors = load_file(os.path.join(qwen2_dir, "model.safetensors"))
     del tensors["model.layers.1.self_attn.k_proj.bias"]
     save_file(tensors, str(tmp_path / "model.safetensors"))

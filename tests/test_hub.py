@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from configs import dapo
-from dapo_jax import data, hf_io, hub, prepare_data, run
+from dapo_jax import data, hf_io, hub, run
 from dapo_jax.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,13 +42,18 @@ def cache(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     tiny = os.path.join(ROOT, "assets", "tiny-qwen2")
-    _hub_repo(cache, "model", "tiny-org/tiny-qwen2",
-              {f: os.path.join(tiny, f) for f in os.listdir(tiny)})
+    _hub_repo(cache, "model", "tiny-org/tiny-qwen2", {f: os.path.join(tiny, f) for f in os.listdir(tiny)})
     synthetic = os.path.join(ROOT, "data", "synthetic")
-    _hub_repo(cache, "dataset", "tiny-org/synthetic",
-              {"data/train.parquet": os.path.join(synthetic, "train.parquet"),
-               "data/test.parquet": os.path.join(synthetic, "test.parquet"),
-               "README.md": os.path.join(ROOT, "README.md")})
+    _hub_repo(
+        cache,
+        "dataset",
+        "tiny-org/synthetic",
+        {
+            "data/train.parquet": os.path.join(synthetic, "train.parquet"),
+            "data/test.parquet": os.path.join(synthetic, "test.parquet"),
+            "README.md": os.path.join(ROOT, "README.md"),
+        },
+    )
     return cache
 
 
@@ -62,8 +67,7 @@ def test_model_and_dataset_ids_resolve_through_the_cache(cache):
     assert resolved.model.path == str(snapshot)
     data_dir = cache / "datasets--tiny-org--synthetic" / "snapshots" / COMMIT / "data"
     assert resolved.data.train_files == (str(data_dir / "train.parquet"),)
-    assert resolved.data.eval_files == (str(data_dir / "test.parquet"),
-                                        str(data_dir / "train.parquet"))
+    assert resolved.data.eval_files == (str(data_dir / "test.parquet"), str(data_dir / "train.parquet"))
     assert c.model.path == "tiny-org/tiny-qwen2"  # the caller's config is left as it was
     run.check_config(resolved)
     hf_io.check_model_folder(resolved.model.path)
@@ -76,8 +80,13 @@ def test_an_unknown_hub_id_offline_is_one_line_naming_it(cache):
     with pytest.raises(ConfigError) as e:
         hub.resolve_model("nobody/no-such-model")
     message = str(e.value)
-    assert message.startswith("model.path 'nobody/no-such-model' is not a local path, and as a "
-                              "Hub model id it is not in the cache") and "HF_HUB_OFFLINE=1" in message
+    assert (
+        message.startswith(
+            "model.path 'nobody/no-such-model' is not a local path, and as a "
+            "Hub model id it is not in the cache"
+        )
+        and "HF_HUB_OFFLINE=1" in message
+    )
     assert "\n" not in message
     with pytest.raises(ConfigError, match="split 'validation'; its files: "):
         hub.resolve_data("tiny-org/synthetic:validation")
@@ -85,38 +94,72 @@ def test_an_unknown_hub_id_offline_is_one_line_naming_it(cache):
 
 
 def test_the_training_command_names_an_unknown_hub_id(cache, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "dapo_jax.train", "--config=configs/dapo.py:tiny",
-                          f"--workdir={tmp_path / 'run'}", "--config.model.path=nobody/nothing"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dapo_jax.train",
+            "--config=configs/dapo.py:tiny",
+            f"--workdir={tmp_path / 'run'}",
+            "--config.model.path=nobody/nothing",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     errors = [l for l in out.stderr.splitlines() if l.startswith("error")]
     assert out.returncode == 2 and len(errors) == 1
     assert errors[0].startswith("error: model.path 'nobody/nothing' is not a local path")
 
 
 def _row(problem, answer, index):
-    return {"data_source": "math_dapo", "prompt": [{"role": "user", "content": problem}],
-            "ability": "MATH", "reward_model": {"ground_truth": answer, "style": "rule"},
-            "extra_info": {"index": str(index)}}
+    return {
+        "data_source": "math_dapo",
+        "prompt": [{"role": "user", "content": problem}],
+        "ability": "MATH",
+        "reward_model": {"ground_truth": answer, "style": "rule"},
+        "extra_info": {"index": str(index)},
+    }
 
 
 def test_prepare_data_deduplicates_from_a_hub_id_or_a_local_copy(cache, tmp_path):
-    rows = [_row("1+1?", "2", 0), _row("2+2?", "4", 1), _row("1+1?", "2", 2),
-            _row("3+3?", "6", 3), _row("1+1?", "2", 4), _row("2+2?", "4", 5),
-            {**_row("x", "1", 6), "reward_model": {"ground_truth": "", "style": "rule"}}]
+    rows = [
+        _row("1+1?", "2", 0),
+        _row("2+2?", "4", 1),
+        _row("1+1?", "2", 2),
+        _row("3+3?", "6", 3),
+        _row("1+1?", "2", 4),
+        _row("2+2?", "4", 5),
+        {**_row("x", "1", 6), "reward_model": {"ground_truth": "", "style": "rule"}},
+    ]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "dapo.parquet")
-    _hub_repo(cache, "dataset", "tiny-org/dapo-math", {"data/dapo-math-17k.parquet":
-                                                       tmp_path / "dapo.parquet"})
+    _hub_repo(
+        cache, "dataset", "tiny-org/dapo-math", {"data/dapo-math-17k.parquet": tmp_path / "dapo.parquet"}
+    )
     aime = [_row(f"AIME problem {i % 2}", str(i % 2), i) for i in range(6)]  # 2 problems x 3
     pq.write_table(pa.Table.from_pylist(aime), tmp_path / "aime.parquet")
-    out = subprocess.run([sys.executable, "-m", "dapo_jax.prepare_data",
-                          f"--out_dir={tmp_path / 'out'}", "--dapo_math=tiny-org/dapo-math",
-                          f"--aime={tmp_path / 'aime.parquet'}"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dapo_jax.prepare_data",
+            f"--out_dir={tmp_path / 'out'}",
+            "--dapo_math=tiny-org/dapo-math",
+            f"--aime={tmp_path / 'aime.parquet'}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()
-    assert lines[0].endswith("dapo-math-17k.parquet: 3 problems from 7 rows of tiny-org/dapo-math "
-                             "(3 duplicates and 1 malformed rows dropped)")
+    assert lines[0].endswith(
+        "dapo-math-17k.parquet: 3 problems from 7 rows of tiny-org/dapo-math "
+        "(3 duplicates and 1 malformed rows dropped)"
+    )
     assert "aime-2024.parquet: 2 problems from 6 rows" in lines[1] and "(4 duplicates and 0" in lines[1]
     written = pq.read_table(tmp_path / "out" / "dapo-math-17k.parquet").to_pylist()
     assert [r["extra_info"]["index"] for r in written] == ["0", "1", "3"]  # first of each kept

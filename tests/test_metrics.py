@@ -16,8 +16,8 @@ def _tb_scalars(workdir):
         data = open(path, "rb").read()
         i = 0
         while i < len(data):
-            (n,) = struct.unpack("<Q", data[i:i + 8])
-            event = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+            (n,) = struct.unpack("<Q", data[i : i + 8])
+            event = event_pb2.Event.FromString(data[i + 12 : i + 12 + n])
             i += 12 + n + 4
             out += [(v.tag, event.step, v.simple_value) for v in event.summary.value]
     return out
@@ -41,8 +41,10 @@ def test_jsonl_and_tensorboard_and_resume(tmp_path):
 
 
 def test_console_line_shows_headline_figures():
-    line = metrics.console_line(7, {"before_filter/acc_mean": 0.4567, "actor/entropy": 1.25,
-                                    "data/acc_mean": 0.5, "eval/avg@4": 0.8125})
+    line = metrics.console_line(
+        7,
+        {"before_filter/acc_mean": 0.4567, "actor/entropy": 1.25, "data/acc_mean": 0.5, "eval/avg@4": 0.8125},
+    )
     assert line == "step     7  acc 0.457  ent 1.250  held-out avg@4 0.812"
 
 
@@ -50,20 +52,44 @@ def test_plot_writes_one_png_per_panel_for_several_runs(tmp_path):
     for run, acc in (("a", 0.1), ("b", 0.3)):
         w = metrics.MetricsWriter(str(tmp_path / run))
         for step in range(3):
-            w.write(step, {"before_filter/acc_mean": acc + step / 10, "eval/avg@4": acc, "actor/entropy": 1.0,
-                           "before_filter/length_mean": 20.0, "actor/token_prob": 0.5})
+            w.write(
+                step,
+                {
+                    "before_filter/acc_mean": acc + step / 10,
+                    "eval/avg@4": acc,
+                    "actor/entropy": 1.0,
+                    "before_filter/length_mean": 20.0,
+                    "actor/token_prob": 0.5,
+                },
+            )
         w.close()
     paths = plot.plot_runs([str(tmp_path / "a"), str(tmp_path / "b")], str(tmp_path / "plots"))
     assert {os.path.basename(p) for p in paths} == {
-        "acc.png", "entropy.png", "length.png", "token_prob.png", "eval.png", "curves.png"}
+        "acc.png",
+        "entropy.png",
+        "length.png",
+        "token_prob.png",
+        "eval.png",
+        "curves.png",
+    }
     assert all(open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n" for p in paths)
 
 
 def test_recipe_names_by_hand():
-    ours = {"data/score_mean": 0.5, "actor/pg_clipfrac_upper": 0.01, "actor/pg_clipfrac_lower": 0.02,
-            "actor/pg_clipfrac_dual": 0.003, "actor/entropy": 1.5, "dynamic_sampling/gen_batches": 3}
+    ours = {
+        "data/score_mean": 0.5,
+        "actor/pg_clipfrac_upper": 0.01,
+        "actor/pg_clipfrac_lower": 0.02,
+        "actor/pg_clipfrac_dual": 0.003,
+        "actor/entropy": 1.5,
+        "dynamic_sampling/gen_batches": 3,
+    }
     assert metrics.recipe_names(ours) == {
-        "critic/score/mean": 0.5, "actor/pg_clipfrac_upper": 0.01,
-        "actor/pg_clipfrac_eps_low": 0.02,            # ours, renamed: the recipe's "lower" is dual
-        "actor/pg_clipfrac_lower": 0.003, "actor/entropy": 1.5, "train/num_gen_batches": 3,
-        "actor/pg_clipfrac": 0.03}                    # clipped at either bound
+        "critic/score/mean": 0.5,
+        "actor/pg_clipfrac_upper": 0.01,
+        "actor/pg_clipfrac_eps_low": 0.02,  # ours, renamed: the recipe's "lower" is dual
+        "actor/pg_clipfrac_lower": 0.003,
+        "actor/entropy": 1.5,
+        "train/num_gen_batches": 3,
+        "actor/pg_clipfrac": 0.03,
+    }  # clipped at either bound

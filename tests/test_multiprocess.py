@@ -25,8 +25,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _config():
-    return sampler.SamplingConfig(max_new_tokens=12, eos_ids=tuple(range(2, 14)), pad_id=0,
-                                  prompt_buckets=(8,), temperature=0.8, top_k=40)
+    return sampler.SamplingConfig(
+        max_new_tokens=12,
+        eos_ids=tuple(range(2, 14)),
+        pad_id=0,
+        prompt_buckets=(8,),
+        temperature=0.8,
+        top_k=40,
+    )
 
 
 def _prompts():
@@ -61,8 +67,10 @@ def _free_port() -> int:
 def _run_together(commands: list[list[str]], devices: int, timeout: int = 600) -> None:
     """Run the commands at once as processes with `devices` CPU devices each; all must succeed."""
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for cmd in commands]
+    procs = [
+        subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for cmd in commands
+    ]
     logs = [p.communicate(timeout=timeout)[0] for p in procs]
     for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-3000:]
@@ -71,8 +79,10 @@ def _run_together(commands: list[list[str]], devices: int, timeout: int = 600) -
 def test_two_processes_sample_as_one(qwen2_dir, tmp_path):
     out_path = str(tmp_path / "rollouts.npz")
     port = _free_port()
-    _run_together([[sys.executable, __file__, str(i), str(port), qwen2_dir, out_path]
-                   for i in range(PROCESSES)], DEVICES_PER_PROCESS)
+    _run_together(
+        [[sys.executable, __file__, str(i), str(port), qwen2_dir, out_path] for i in range(PROCESSES)],
+        DEVICES_PER_PROCESS,
+    )
 
     got = np.load(out_path)
     ref = _rollouts(qwen2_dir, sharding.make_mesh({"data": 1}, devices=jax.devices()[:1]))
@@ -85,18 +95,34 @@ def test_two_processes_sample_as_one(qwen2_dir, tmp_path):
 def _flags():
     from conftest import small_flags  # here: it sets the __main__ workers' devices
 
-    return ["--config=configs/dapo.py:tiny", "--config.mesh.data=2", "--config.mesh.fsdp=2",
-            *small_flags(filter__carry_over=True)]
+    return [
+        "--config=configs/dapo.py:tiny",
+        "--config.mesh.data=2",
+        "--config.mesh.fsdp=2",
+        *small_flags(filter__carry_over=True),
+    ]
 
 
 def _train(workdir, steps, *extra):
-    return [sys.executable, "-m", "dapo_jax.train", *_flags(), f"--workdir={workdir}",
-            f"--config.train.steps={steps}", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "dapo_jax.train",
+        *_flags(),
+        f"--workdir={workdir}",
+        f"--config.train.steps={steps}",
+        *extra,
+    ]
 
 
 def _multihost(port, i, *extra):
-    return ["--multihost", f"--coordinator=localhost:{port}", f"--num_processes={PROCESSES}",
-            f"--process_id={i}", *extra]
+    return [
+        "--multihost",
+        f"--coordinator=localhost:{port}",
+        f"--num_processes={PROCESSES}",
+        f"--process_id={i}",
+        *extra,
+    ]
 
 
 def _maths(workdir):
@@ -104,8 +130,7 @@ def _maths(workdir):
 
     records = metrics.read_jsonl(os.path.join(workdir, metrics.JSONL))
     assert [r["step"] for r in records] == [1, 2, 3]  # one writer: no step missing or repeated
-    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(WALL_CLOCK)}
-            for r in records}
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(WALL_CLOCK)} for r in records}
 
 
 def _assert_matches(got, expected):
@@ -129,8 +154,9 @@ def test_two_processes_train_and_resume_as_one(reference, tmp_path):
     multi = str(tmp_path / "multi")
     for steps in (2, 3):  # the second run resumes from the first's last checkpoint
         port = _free_port()
-        _run_together([_train(multi, steps, *_multihost(port, i)) for i in range(PROCESSES)],
-                      DEVICES_PER_PROCESS)
+        _run_together(
+            [_train(multi, steps, *_multihost(port, i)) for i in range(PROCESSES)], DEVICES_PER_PROCESS
+        )
     assert len(os.listdir(os.path.join(multi, "tensorboard"))) == 2  # an events file per run
     _assert_matches(_maths(multi), reference)
 
@@ -139,8 +165,10 @@ def _start(commands, tmp_path, name):
     """Start the commands with two CPU devices each, output in tmp_path/name-i.log."""
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}"}
     logs = [open(tmp_path / f"{name}-{i}.log", "w") for i in range(len(commands))]
-    return [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-            for cmd, log in zip(commands, logs)]
+    return [
+        subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        for cmd, log in zip(commands, logs)
+    ]
 
 
 def _wait_until(condition, procs, what, timeout=600):
@@ -163,8 +191,9 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step(reference, tmp_path)
     workdir = str(tmp_path / "run")
     every = "--config.checkpoint.every=10"
     port = _free_port()
-    procs = _start([_train(workdir, 3, every, *_multihost(port, i)) for i in range(PROCESSES)],
-                   tmp_path, "preempted")
+    procs = _start(
+        [_train(workdir, 3, every, *_multihost(port, i)) for i in range(PROCESSES)], tmp_path, "preempted"
+    )
     _wait_until(lambda: _has_step(workdir, 1), procs, "step 1")
     procs[1].send_signal(signal.SIGTERM)
     assert [p.wait(timeout=600) for p in procs] == [75, 75]
@@ -172,8 +201,9 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step(reference, tmp_path)
     last = max(r["step"] for r in metrics.read_jsonl(os.path.join(workdir, metrics.JSONL)))
     assert saved == [last] and last < 3  # stopped early, together, after saving that step
     port = _free_port()
-    _run_together([_train(workdir, 3, every, *_multihost(port, i)) for i in range(PROCESSES)],
-                  DEVICES_PER_PROCESS)
+    _run_together(
+        [_train(workdir, 3, every, *_multihost(port, i)) for i in range(PROCESSES)], DEVICES_PER_PROCESS
+    )
     _assert_matches(_maths(workdir), reference)
 
 
@@ -186,8 +216,12 @@ def test_a_dead_process_stops_the_other_which_names_it(reference, tmp_path):
     shared = str(tmp_path / "checkpoints")
 
     def commands(port):
-        return [_train(workdirs[i], 3, f"--checkpoint_dir={shared}",
-                       *_multihost(port, i, "--heartbeat_timeout=10")) for i in range(PROCESSES)]
+        return [
+            _train(
+                workdirs[i], 3, f"--checkpoint_dir={shared}", *_multihost(port, i, "--heartbeat_timeout=10")
+            )
+            for i in range(PROCESSES)
+        ]
 
     procs = _start(commands(_free_port()), tmp_path, "killed")
     _wait_until(lambda: os.path.isdir(os.path.join(shared, "1")), procs, "checkpoint 1")
@@ -197,8 +231,9 @@ def test_a_dead_process_stops_the_other_which_names_it(reference, tmp_path):
     elapsed = time.time() - t0
     log = (tmp_path / "killed-0.log").read_text()
     assert rc != 0 and elapsed < 120, (rc, elapsed, log[-3000:])
-    named = re.search(r"process\(es\) 1 of 2 stopped sending heartbeats", log) or \
-        re.search(r"tasks are unhealthy \(stopped sending heartbeats\):\s*1\b", log)
+    named = re.search(r"process\(es\) 1 of 2 stopped sending heartbeats", log) or re.search(
+        r"tasks are unhealthy \(stopped sending heartbeats\):\s*1\b", log
+    )
     assert named, log[-3000:]
     print(f"process 0 exited with {rc} {elapsed:.1f} s after process 1 was killed")
     assert not os.path.exists(os.path.join(workdirs[1], metrics.JSONL))  # process 0 writes them

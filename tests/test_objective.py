@@ -17,35 +17,45 @@ def test_group_advantages_by_hand():
     # Group 2: constant rewards, every advantage 0.
     rewards = np.array([1.0, -1.0, -1.0, -1.0, 2.0, 2.0, 2.0, 2.0])
     adv = objective.group_advantages(rewards, 4)
-    np.testing.assert_allclose(adv, np.array([1.5, -.5, -.5, -.5, 0, 0, 0, 0]) / (1 + EPS),
-                               rtol=1e-6)
+    np.testing.assert_allclose(adv, np.array([1.5, -0.5, -0.5, -0.5, 0, 0, 0, 0]) / (1 + EPS), rtol=1e-6)
     # Unbiased std: group (0, 1) has std sqrt(0.5), not the population 0.5.
-    np.testing.assert_allclose(objective.group_advantages(jnp.array([0.0, 1.0]), 2),
-                               np.array([-.5, .5]) / (math.sqrt(.5) + EPS), rtol=1e-6)
+    np.testing.assert_allclose(
+        objective.group_advantages(jnp.array([0.0, 1.0]), 2),
+        np.array([-0.5, 0.5]) / (math.sqrt(0.5) + EPS),
+        rtol=1e-6,
+    )
     # Dr.GRPO: R - mean, no std.
-    np.testing.assert_allclose(objective.group_advantages(rewards, 4, normalize_std=False),
-                               [1.5, -.5, -.5, -.5, 0, 0, 0, 0])
+    np.testing.assert_allclose(
+        objective.group_advantages(rewards, 4, normalize_std=False), [1.5, -0.5, -0.5, -0.5, 0, 0, 0, 0]
+    )
 
 
 def test_group_of_one_has_mean_zero_std_one():
-    np.testing.assert_allclose(objective.group_advantages(np.array([3.0, -1.0]), 1),
-                               np.array([3.0, -1.0]) / (1 + EPS), rtol=1e-7)
     np.testing.assert_allclose(
-        objective.group_advantages(np.array([3.0, -1.0]), 1, normalize_std=False), [3.0, -1.0])
+        objective.group_advantages(np.array([3.0, -1.0]), 1), np.array([3.0, -1.0]) / (1 + EPS), rtol=1e-7
+    )
+    np.testing.assert_allclose(
+        objective.group_advantages(np.array([3.0, -1.0]), 1, normalize_std=False), [3.0, -1.0]
+    )
     with pytest.raises(ValueError, match="not groups of 4"):
         objective.group_advantages(np.zeros(6), 4)
 
 
 # Ratios r per token and advantages per row; old_logp = 0 so logp = log r.
-RATIO = np.array([[0.5, 1.0, 1.2, 1.5],     # A = +1: r = 1.5 is above 1 + ε_high = 1.28
-                  [0.5, 1.0, 1.5, 20.0]])   # A = -1: r = 0.5 below 1 - ε_low, r = 20 above c = 10
+RATIO = np.array(
+    [
+        [0.5, 1.0, 1.2, 1.5],  # A = +1: r = 1.5 is above 1 + ε_high = 1.28
+        [0.5, 1.0, 1.5, 20.0],
+    ]
+)  # A = -1: r = 0.5 below 1 - ε_low, r = 20 above c = 10
 ADV = np.array([1.0, -1.0])
 
 
 def _clip_loss(clip_ratio_c):
     mask = np.ones_like(RATIO, bool)
-    fn = lambda logp: objective.policy_loss(logp, jnp.zeros_like(logp), ADV, mask, eps_low=0.2,
-                                            eps_high=0.28, clip_ratio_c=clip_ratio_c)
+    fn = lambda logp: objective.policy_loss(
+        logp, jnp.zeros_like(logp), ADV, mask, eps_low=0.2, eps_high=0.28, clip_ratio_c=clip_ratio_c
+    )
     value_and_grad = jax.jit(jax.value_and_grad(fn, has_aux=True))
     (loss, metrics), grad = value_and_grad(jnp.log(jnp.asarray(RATIO)))
     return loss, metrics, np.asarray(grad)
@@ -55,11 +65,12 @@ def test_clip_higher_and_dual_clip_values_and_zero_gradients():
     loss, metrics, grad = _clip_loss(10.0)
     # A = +1: l = max(-r, -clip(r, .8, 1.28)) = -.5, -1, -1.2, -1.28 (clipped).
     # A = -1: l = max(r, clip(r)) = .8 (clipped), 1, 1.5, then min(20, c = 10) = 10 (dual clip).
-    np.testing.assert_allclose(loss, (-.5 - 1 - 1.2 - 1.28 + .8 + 1 + 1.5 + 10) / 8, rtol=1e-6)
+    np.testing.assert_allclose(loss, (-0.5 - 1 - 1.2 - 1.28 + 0.8 + 1 + 1.5 + 10) / 8, rtol=1e-6)
     np.testing.assert_allclose(metrics["pg_loss"], loss)
     # dl/dlogp = dl/dr * r: -A r where the unclipped branch is active, 0 where a clip is.
-    np.testing.assert_allclose(grad, np.array([[-.5, -1, -1.2, 0], [0, 1, 1.5, 0]]) / 8,
-                               rtol=1e-5, atol=1e-8)
+    np.testing.assert_allclose(
+        grad, np.array([[-0.5, -1, -1.2, 0], [0, 1, 1.5, 0]]) / 8, rtol=1e-5, atol=1e-8
+    )
     np.testing.assert_allclose(metrics["pg_clipfrac_upper"], 1 / 8)
     np.testing.assert_allclose(metrics["pg_clipfrac_lower"], 1 / 8)
     np.testing.assert_allclose(metrics["pg_clipfrac_dual"], 1 / 8)
@@ -67,12 +78,13 @@ def test_clip_higher_and_dual_clip_values_and_zero_gradients():
 
 def test_without_dual_clip_a_large_ratio_keeps_its_gradient():
     loss, metrics, grad = _clip_loss(None)
-    np.testing.assert_allclose(loss, (-.5 - 1 - 1.2 - 1.28 + .8 + 1 + 1.5 + 20) / 8, rtol=1e-6)
+    np.testing.assert_allclose(loss, (-0.5 - 1 - 1.2 - 1.28 + 0.8 + 1 + 1.5 + 20) / 8, rtol=1e-6)
     np.testing.assert_allclose(grad[1], np.array([0, 1, 1.5, 20]) / 8, rtol=1e-5)
     assert metrics["pg_clipfrac_dual"] == 0
     with pytest.raises(ValueError, match="must be > 1"):
-        objective.policy_loss(jnp.zeros((1, 1)), jnp.zeros((1, 1)), ADV[:1], np.ones((1, 1)),
-                              clip_ratio_c=0.5)
+        objective.policy_loss(
+            jnp.zeros((1, 1)), jnp.zeros((1, 1)), ADV[:1], np.ones((1, 1)), clip_ratio_c=0.5
+        )
 
 
 def test_approx_kl_to_old_and_token_prob():
@@ -90,16 +102,20 @@ AGG_ADV = np.array([2.0, -1.0, 5.0])
 AGG_MASK = np.array([[1, 0, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]], bool)
 
 
-@pytest.mark.parametrize("agg_mode, norm_const, loss, row0, row1", [
-    ("token-mean", None, (-2 + 3) / 4, -2 / 4, 1 / 4),
-    ("seq-mean-token-mean", None, (-2 / 1 + 3 / 3) / 2, -2 / (1 * 2), 1 / (3 * 2)),
-    ("seq-mean-token-sum", None, (-2 + 3) / 2, -2 / 2, 1 / 2),
-    ("seq-mean-token-sum-norm", 4.0, (-2 + 3) / (2 * 4), -2 / (2 * 4), 1 / (2 * 4)),
-])
+@pytest.mark.parametrize(
+    "agg_mode, norm_const, loss, row0, row1",
+    [
+        ("token-mean", None, (-2 + 3) / 4, -2 / 4, 1 / 4),
+        ("seq-mean-token-mean", None, (-2 / 1 + 3 / 3) / 2, -2 / (1 * 2), 1 / (3 * 2)),
+        ("seq-mean-token-sum", None, (-2 + 3) / 2, -2 / 2, 1 / 2),
+        ("seq-mean-token-sum-norm", 4.0, (-2 + 3) / (2 * 4), -2 / (2 * 4), 1 / (2 * 4)),
+    ],
+)
 def test_aggregation_modes_by_hand(agg_mode, norm_const, loss, row0, row1):
     old = np.where(AGG_MASK, -1.0, np.nan)
-    fn = lambda logp: objective.policy_loss(logp, old, AGG_ADV, AGG_MASK, agg_mode=agg_mode,
-                                            norm_const=norm_const, ref_logp_BxT=old, beta=0.1)
+    fn = lambda logp: objective.policy_loss(
+        logp, old, AGG_ADV, AGG_MASK, agg_mode=agg_mode, norm_const=norm_const, ref_logp_BxT=old, beta=0.1
+    )
     (value, _), grad = jax.jit(jax.value_and_grad(fn, has_aux=True))(jnp.full((3, 4), -1.0))
     np.testing.assert_allclose(value, loss, rtol=1e-6)
     expected = np.zeros((3, 4))
@@ -121,8 +137,9 @@ def _worked_example_grad(lengths, agg_mode, norm_const=None):
     mask = np.arange(max(lengths))[None, :] < np.array(lengths)[:, None]
     adv = np.array([1.0, 1.0, -1.0, -1.0])
     logp = jnp.full(mask.shape, -1.0)
-    fn = lambda lp: objective.policy_loss(lp, logp, adv, mask, agg_mode=agg_mode,
-                                          norm_const=norm_const, clip_ratio_c=10.0)[0]
+    fn = lambda lp: objective.policy_loss(
+        lp, logp, adv, mask, agg_mode=agg_mode, norm_const=norm_const, clip_ratio_c=10.0
+    )[0]
     grad = np.asarray(jax.jit(jax.grad(fn))(logp))
     np.testing.assert_array_equal(grad[~mask], 0)
     # The sign is -A: a correct answer's tokens are pushed up, a wrong one's down.
@@ -151,8 +168,9 @@ def test_k3_kl_to_reference_by_hand():
     ref = jnp.array([[math.log(2.0), 0.0]])
     kl0 = 1 - math.log(2.0)
     np.testing.assert_allclose(objective.k3_kl(logp, ref), [[kl0, 0.0]], rtol=1e-6)
-    fn = lambda lp: objective.policy_loss(lp, jnp.zeros((1, 2)), np.zeros(1), np.ones((1, 2)),
-                                          ref_logp_BxT=ref, beta=0.5)
+    fn = lambda lp: objective.policy_loss(
+        lp, jnp.zeros((1, 2)), np.zeros(1), np.ones((1, 2)), ref_logp_BxT=ref, beta=0.5
+    )
     (loss, metrics), grad = jax.jit(jax.value_and_grad(fn, has_aux=True))(logp)
     np.testing.assert_allclose(loss, 0.5 * kl0 / 2, rtol=1e-6)
     np.testing.assert_allclose(metrics["kl_ref"], kl0 / 2, rtol=1e-6)
@@ -176,15 +194,16 @@ def test_token_logp_and_entropy_by_hand():
     # Row 1: logits (0, 2 ln 3) at temperature 2 give p = (1/4, 3/4).
     logits = jnp.array([[[0.0, 0.0, 0.0, 0.0]], [[0.0, 2 * math.log(3.0), -1e9, -1e9]]])
     logp, entropy = objective.token_logp_and_entropy(logits, jnp.array([[2], [1]]), 2.0)
-    np.testing.assert_allclose(logp, [[-math.log(4)], [math.log(.75)]], rtol=1e-6)
-    h1 = -(.25 * math.log(.25) + .75 * math.log(.75))
+    np.testing.assert_allclose(logp, [[-math.log(4)], [math.log(0.75)]], rtol=1e-6)
+    h1 = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
     np.testing.assert_allclose(entropy, [[math.log(4)], [h1]], rtol=1e-6)
 
 
 def test_entropy_bonus_enters_the_loss():
     entropy = jnp.array([[1.0, 3.0]])
-    fn = lambda h: objective.policy_loss(jnp.zeros((1, 2)), jnp.zeros((1, 2)), np.zeros(1),
-                                         np.ones((1, 2)), entropy_BxT=h, entropy_coef=0.1)
+    fn = lambda h: objective.policy_loss(
+        jnp.zeros((1, 2)), jnp.zeros((1, 2)), np.zeros(1), np.ones((1, 2)), entropy_BxT=h, entropy_coef=0.1
+    )
     (loss, metrics), grad = jax.jit(jax.value_and_grad(fn, has_aux=True))(entropy)
     np.testing.assert_allclose(metrics["entropy"], 2.0)
     np.testing.assert_allclose(loss, -0.1 * 2.0, rtol=1e-6)
@@ -196,20 +215,34 @@ def test_micro_batch_shares_add_up_to_the_mini_batch_loss(agg_mode):
     rng = np.random.default_rng(0)
     lengths = np.array([1, 7, 2, 8, 3, 6])
     mask = np.arange(8)[None] < lengths[:, None]
-    logp, old = rng.normal(-2, .3, (2, 6, 8))
+    logp, old = rng.normal(-2, 0.3, (2, 6, 8))
     adv = rng.normal(size=6)
-    kw = dict(eps_low=.2, eps_high=.28, clip_ratio_c=3.0, agg_mode=agg_mode, ref_logp_BxT=None,
-              beta=0.0, entropy_BxT=None, entropy_coef=0.0)
-    whole, whole_metrics = objective.policy_loss(logp, old, adv, mask, agg_mode=agg_mode,
-                                                 norm_const=8.0, clip_ratio_c=3.0)
+    kw = dict(
+        eps_low=0.2,
+        eps_high=0.28,
+        clip_ratio_c=3.0,
+        agg_mode=agg_mode,
+        ref_logp_BxT=None,
+        beta=0.0,
+        entropy_BxT=None,
+        entropy_coef=0.0,
+    )
+    whole, whole_metrics = objective.policy_loss(
+        logp, old, adv, mask, agg_mode=agg_mode, norm_const=8.0, clip_ratio_c=3.0
+    )
     denom = objective.denominators(mask, agg_mode, 8.0)
-    parts = [objective.policy_loss_sum(logp[s], old[s], adv[s], mask[s], denom, **kw)
-             for s in (slice(0, 2), slice(2, 6))]
+    parts = [
+        objective.policy_loss_sum(logp[s], old[s], adv[s], mask[s], denom, **kw)
+        for s in (slice(0, 2), slice(2, 6))
+    ]
     np.testing.assert_allclose(parts[0][0] + parts[1][0], whole, rtol=1e-6)
     for k, v in whole_metrics.items():
         np.testing.assert_allclose(parts[0][1][k] + parts[1][1][k], v, rtol=1e-6, atol=1e-7)
     # Normalising each part by its own denominator (verl #5625) gives a different loss here.
-    own = [objective.policy_loss(logp[s], old[s], adv[s], mask[s], agg_mode=agg_mode,
-                                 norm_const=8.0, clip_ratio_c=3.0)[0]
-           for s in (slice(0, 2), slice(2, 6))]
+    own = [
+        objective.policy_loss(
+            logp[s], old[s], adv[s], mask[s], agg_mode=agg_mode, norm_const=8.0, clip_ratio_c=3.0
+        )[0]
+        for s in (slice(0, 2), slice(2, 6))
+    ]
     assert abs((own[0] + own[1]) / 2 - whole) > 1e-3

@@ -29,8 +29,7 @@ def test_a_sigterm_seen_by_another_host_stops_this_one(two_processes, monkeypatc
 
         monkeypatch.setattr(train.multihost_utils, "process_allgather", allgather)
         assert p.agreed() and gathered == [0]
-        monkeypatch.setattr(train.multihost_utils, "process_allgather",
-                            lambda x: np.array([int(x), 0]))
+        monkeypatch.setattr(train.multihost_utils, "process_allgather", lambda x: np.array([int(x), 0]))
         assert not p.agreed()
         p._handle(signal.SIGTERM, None)
         assert p.agreed()
@@ -55,8 +54,10 @@ def test_a_failed_collective_names_the_dead_process(two_processes, monkeypatch, 
     with pytest.raises(_Exit, match="1"):
         train._peer_failure(RuntimeError("Gloo AllGather failed: Connection reset by peer"), run)
     err = capsys.readouterr().err.splitlines()
-    assert err[0].startswith("error: process 0: a collective with the other processes failed "
-                             "(Gloo AllGather failed: Connection reset by peer)")
+    assert err[0].startswith(
+        "error: process 0: a collective with the other processes failed "
+        "(Gloo AllGather failed: Connection reset by peer)"
+    )
     assert err[1].startswith("error: process 0: process(es) 1 of 2 stopped sending heartbeats")
     assert closed == [1]
 
@@ -66,8 +67,7 @@ def test_an_unreachable_coordinator_is_process_0(two_processes, monkeypatch, cap
         raise RuntimeError("UNAVAILABLE: Failed to send RPC to coordination service")
 
     monkeypatch.setattr(train.jax, "process_index", lambda: 1)
-    monkeypatch.setattr(distributed.global_state, "client",
-                        types.SimpleNamespace(get_live_nodes=unreachable))
+    monkeypatch.setattr(distributed.global_state, "client", types.SimpleNamespace(get_live_nodes=unreachable))
     monkeypatch.setattr(train.os, "_exit", _exit)
     run = types.SimpleNamespace(scorer=types.SimpleNamespace(close=lambda: None))
     with pytest.raises(_Exit):

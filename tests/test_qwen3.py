@@ -10,11 +10,11 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 from safetensors import safe_open
+from test_hf_parity import _hf_logits, _left_padded_batch, _our_logits
+from test_sampler import _config, _hf_greedy, _prompts
 
 from dapo_jax import hf_io, model, sampler, sharding
 from dapo_jax import train_step as ts
-from test_hf_parity import _hf_logits, _left_padded_batch, _our_logits
-from test_sampler import _config, _hf_greedy, _prompts
 
 
 def _names(model_dir):
@@ -47,8 +47,7 @@ def test_qwen3_export_round_trips_through_transformers(qwen3_dir, tmp_path):
     cfg = hf_io.config_from_hf(hf_io.read_hf_config(out), dtype="float32")
     expected = np.asarray(model.forward(model.Transformer(cfg), params, tokens, mask))
     assert not np.allclose(expected[mask], ours[mask], atol=1e-3)
-    np.testing.assert_allclose(_hf_logits(out, tokens, mask)[mask], expected[mask],
-                               atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(_hf_logits(out, tokens, mask)[mask], expected[mask], atol=1e-4, rtol=1e-4)
     reloaded, _ = _our_logits(out, tokens, mask)
     np.testing.assert_allclose(reloaded[mask], expected[mask], atol=1e-5)
 
@@ -62,23 +61,34 @@ def test_qwen3_greedy_rollouts_and_a_train_step_on_a_sharded_mesh(qwen3_dir):
     prompt, mask = _prompts([16, 11, 4, 9], 16, seed=3)
     n_new = 12
     out = sampler.Sampler(m, _config(max_new_tokens=n_new, greedy=True), mesh).generate(
-        params, prompt, mask, 1, jax.random.key(0))
+        params, prompt, mask, 1, jax.random.key(0)
+    )
     tokens = np.asarray(out["tokens"])
     np.testing.assert_array_equal(tokens, _hf_greedy(qwen3_dir, prompt, mask, n_new, None))
     assert len(np.unique(tokens)) > 8  # a meaningful comparison, not one token repeated
 
     # The trainer's log-probs of the rollouts equal the sampler's; one update moves the q/k norms.
-    rollout = ts.Rollout(np.concatenate([prompt, tokens], 1),
-                         np.concatenate([mask, np.ones_like(tokens, bool)], 1),
-                         np.pad(np.ones_like(tokens, bool), ((0, 0), (16, 0))),
-                         np.array([1.0, -1.0, 0.5, -0.5], np.float32))
+    rollout = ts.Rollout(
+        np.concatenate([prompt, tokens], 1),
+        np.concatenate([mask, np.ones_like(tokens, bool)], 1),
+        np.pad(np.ones_like(tokens, bool), ((0, 0), (16, 0))),
+        np.array([1.0, -1.0, 0.5, -0.5], np.float32),
+    )
     logprobs = ts.make_compute_logprobs(m, mesh, 1.0, 1)
     old_logp = np.asarray(logprobs(params, rollout.tokens_BxT, rollout.mask_BxT))
     np.testing.assert_allclose(old_logp[:, 16:], np.asarray(out["logp"]), atol=1e-5)
     schedule = ts.learning_rate_schedule(1e-2, 0, "constant")
     opt = ts.make_optimizer(schedule, weight_decay=0.0, max_grad_norm=1e3)
-    loss = ts.LossConfig(eps_low=0.2, eps_high=0.28, clip_ratio_c=10.0, agg_mode="token-mean",
-                         norm_const=None, beta=0.0, entropy_coef=0.0, temperature=1.0)
+    loss = ts.LossConfig(
+        eps_low=0.2,
+        eps_high=0.28,
+        clip_ratio_c=10.0,
+        agg_mode="token-mean",
+        norm_const=None,
+        beta=0.0,
+        entropy_coef=0.0,
+        temperature=1.0,
+    )
     step = ts.make_train_step(m, opt, schedule, loss, mesh, 1)
     state = ts.init_train_state(m, opt, mesh, params)
     before = jax.tree.map(np.asarray, params["layers_0"]["self_attn"])

@@ -40,8 +40,9 @@ def _prompts(lengths, width, seed=0):
 
 
 def _config(**kw):
-    return sampler.SamplingConfig(**{"max_new_tokens": 10, "eos_ids": (), "pad_id": 0,
-                                     "prompt_buckets": (8, 16), **kw})
+    return sampler.SamplingConfig(
+        **{"max_new_tokens": 10, "eos_ids": (), "pad_id": 0, "prompt_buckets": (8, 16), **kw}
+    )
 
 
 @pytest.mark.parametrize("fixture", ["qwen2_dir", "llama_dir"])
@@ -54,8 +55,7 @@ def test_cached_decode_equals_teacher_forced_forward(fixture, request, single):
     ref_BxTxV = np.asarray(model.forward(m, params, full_tokens, full_mask))
 
     s = 32  # a cache (one key tile) longer than needed: the unused slots must stay unread
-    caches = jax.jit(lambda p, t, k: sampler.prefill(m, p, t, k, s))(params, prompt[:, :-1],
-                                                                     mask[:, :-1])
+    caches = jax.jit(lambda p, t, k: sampler.prefill(m, p, t, k, s))(params, prompt[:, :-1], mask[:, :-1])
     step = jax.jit(lambda p, *args: sampler.decode_step(m, p, *args))
     readable_BxS = np.concatenate([mask, np.ones((3, s - 8), bool)], 1)
     feed_BxT = full_tokens[:, 7:]
@@ -67,10 +67,15 @@ def test_cached_decode_equals_teacher_forced_forward(fixture, request, single):
 
 def _hf_greedy(model_dir, prompt, mask, new_tokens, eos_id):
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    out = hf.generate(input_ids=torch.tensor(prompt, dtype=torch.long),
-                      attention_mask=torch.tensor(mask, dtype=torch.long),
-                      max_new_tokens=new_tokens, do_sample=False, eos_token_id=eos_id, pad_token_id=0)
-    completion = out[:, prompt.shape[1]:].numpy()
+    out = hf.generate(
+        input_ids=torch.tensor(prompt, dtype=torch.long),
+        attention_mask=torch.tensor(mask, dtype=torch.long),
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=eos_id,
+        pad_token_id=0,
+    )
+    completion = out[:, prompt.shape[1] :].numpy()
     return np.pad(completion, ((0, 0), (0, new_tokens - completion.shape[1])))  # HF stops when all end
 
 
@@ -98,8 +103,7 @@ def test_logp_equals_trainer_recompute_with_truncation(qwen2, single):
     m, params = qwen2
     cfg = _config(max_new_tokens=16, temperature=0.7, top_p=0.8, top_k=12, eos_ids=(3, 5, 7, 11))
     prompt, mask = _prompts([8, 3], 8, seed=5)
-    out = jax.device_get(sampler.Sampler(m, cfg, single).generate(params, prompt, mask, 4,
-                                                                  jax.random.key(7)))
+    out = jax.device_get(sampler.Sampler(m, cfg, single).generate(params, prompt, mask, 4, jax.random.key(7)))
     tokens, logp, comp_mask, length = out["tokens"], out["logp"], out["mask"], out["length"]
     ended = ~out["truncated"]
     assert ended.any() and not ended.all()  # both outcomes are exercised
@@ -117,7 +121,7 @@ def test_logp_equals_trainer_recompute_with_truncation(qwen2, single):
     ref_BxN = ref_logp_BxNxV[comp_mask]
     drawn = ref[comp_mask]
     assert np.all((ref_BxN > drawn[:, None]).sum(-1) < cfg.top_k)
-    top_k_logp = np.sort(ref_BxN, -1)[:, -cfg.top_k:]
+    top_k_logp = np.sort(ref_BxN, -1)[:, -cfg.top_k :]
     top_k_probs = np.exp(top_k_logp) / np.exp(top_k_logp).sum(-1, keepdims=True)
     mass_above = np.where(top_k_logp > drawn[:, None], top_k_probs, 0).sum(-1)
     assert np.all(mass_above < cfg.top_p)
@@ -149,8 +153,9 @@ def test_reproducible_and_independent_of_batch_composition(qwen2, single):
     m, params = qwen2
     s = sampler.Sampler(m, _config(max_new_tokens=12), single)
     (a, b, c), mask = _prompts([7, 7, 7], 8, seed=2)
-    tokens = lambda prompts, uids, key: np.asarray(s.generate(
-        params, np.stack(prompts), mask[[0, 0]], 3, key, uids_P=uids)["tokens"])
+    tokens = lambda prompts, uids, key: np.asarray(
+        s.generate(params, np.stack(prompts), mask[[0, 0]], 3, key, uids_P=uids)["tokens"]
+    )
     key = jax.random.key(11)
     ab = tokens([a, b], [0, 1], key)
     np.testing.assert_array_equal(ab, tokens([a, b], [0, 1], key))
@@ -187,8 +192,9 @@ def test_inverse_cdf_draw_equals_searchsorted(vocab):
     probs[0, -1] = 1.0  # all mass on the last token
     u = 1.0 - rng.random(256)
     u[1] = 1.0
-    drawn = np.asarray(sampler.draw_inverse_cdf(jax.numpy.asarray(probs, "float32"),
-                                                jax.numpy.asarray(u, "float32")))
+    drawn = np.asarray(
+        sampler.draw_inverse_cdf(jax.numpy.asarray(probs, "float32"), jax.numpy.asarray(u, "float32"))
+    )
     cdf = np.cumsum(probs, -1)
     expected = [np.searchsorted(cdf[i], u[i] * cdf[i, -1]) for i in range(256)]
     np.testing.assert_array_equal(drawn, expected)
@@ -198,8 +204,14 @@ def test_inverse_cdf_draw_equals_searchsorted(vocab):
 def test_decode_chunks_leave_rollouts_unchanged(qwen2, single):
     m, params = qwen2
     prompt, mask = _prompts([8, 3, 6], 8, seed=6)
-    out = [jax.device_get(sampler.Sampler(m, _config(eos_ids=tuple(range(3, 15)), decode_chunks=c), single)
-                          .generate(params, prompt, mask, 2, jax.random.key(3))) for c in (1, 3)]
+    out = [
+        jax.device_get(
+            sampler.Sampler(m, _config(eos_ids=tuple(range(3, 15)), decode_chunks=c), single).generate(
+                params, prompt, mask, 2, jax.random.key(3)
+            )
+        )
+        for c in (1, 3)
+    ]
     assert (~out[0]["truncated"]).any() and out[0]["truncated"].any()
     np.testing.assert_array_equal(out[0]["tokens"], out[1]["tokens"])
     np.testing.assert_array_equal(out[0]["length"], out[1]["length"])
@@ -210,8 +222,9 @@ def test_rollout_micro_batches_leave_rollouts_unchanged(qwen2, single):
     m, params = qwen2
     prompt, mask = _prompts([8, 3, 6, 5], 8, seed=7)
     cfg = _config(eos_ids=tuple(range(3, 15)))
-    whole = jax.device_get(sampler.Sampler(m, cfg, single).generate(
-        params, prompt, mask, 2, jax.random.key(4)))
+    whole = jax.device_get(
+        sampler.Sampler(m, cfg, single).generate(params, prompt, mask, 2, jax.random.key(4))
+    )
     parts = sampler.Sampler(m, cfg, single, micro_batch_prompts=3)  # 3 + 1 prompts
     split = jax.device_get(parts.generate(params, prompt, mask, 2, jax.random.key(4)))
     assert parts.num_traces == 2 and split["tokens"].shape == whole["tokens"].shape
@@ -222,8 +235,7 @@ def test_rollout_micro_batches_leave_rollouts_unchanged(qwen2, single):
 
 def test_rollout_params_reshard_to_a_tensor_parallel_mesh(qwen2_dir):
     trainer_mesh = sharding.make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
-    rollout_mesh = sharding.make_mesh({"data": 4, "fsdp": 1, "tensor": 2},
-                                      devices=jax.devices()[::-1])
+    rollout_mesh = sharding.make_mesh({"data": 4, "fsdp": 1, "tensor": 2}, devices=jax.devices()[::-1])
     m, params = _load(qwen2_dir, trainer_mesh)
     rollout_model = model.Transformer(dataclasses.replace(m.config, param_dtype="bfloat16"))
     moved = sampler.rollout_params(params, rollout_model, rollout_mesh)
@@ -232,5 +244,8 @@ def test_rollout_params_reshard_to_a_tensor_parallel_mesh(qwen2_dir):
     assert kernel.dtype == np.dtype("bfloat16")
     assert kernel.sharding == want["layers_0"]["mlp"]["up_proj"]["kernel"]
     assert kernel.addressable_shards[0].data.shape == (64, 48)  # embed whole, mlp over tensor
-    jax.tree.map(lambda a, b: np.testing.assert_array_equal(
-        np.asarray(a), np.asarray(b).astype(a.dtype)), moved, params)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b).astype(a.dtype)),
+        moved,
+        params,
+    )

@@ -14,8 +14,7 @@ from dapo_jax import hf_io, model, sampler, sharding, train_step
 
 def _models(model_dir):
     cfg = hf_io.config_from_hf(hf_io.read_hf_config(model_dir), dtype="float32")
-    return model.Transformer(cfg), model.Transformer(dataclasses.replace(
-        cfg, scan_layers=True, remat=True))
+    return model.Transformer(cfg), model.Transformer(dataclasses.replace(cfg, scan_layers=True, remat=True))
 
 
 @pytest.fixture(scope="module")
@@ -41,13 +40,13 @@ def test_scanned_logits_and_gradients_equal_unrolled(fixture, request, single):
     params = hf_io.load_params(model_dir, unrolled, single)
     stacked = model.stack_layers(params, unrolled.config.num_layers)
     tokens, mask = _batch(unrolled.config.vocab_size)
-    _close(model.forward(scanned, stacked, tokens, mask),
-           model.forward(unrolled, params, tokens, mask))
+    _close(model.forward(scanned, stacked, tokens, mask), model.forward(unrolled, params, tokens, mask))
 
     def loss(m):
         def f(p):
             logp, entropy = train_step.model_logp_and_entropy(m, p, tokens, mask, 0.7)
             return jnp.sum(logp * mask) + jnp.sum(entropy * mask)
+
         return f
 
     g_unrolled = model.stack_layers(jax.grad(loss(unrolled))(params), unrolled.config.num_layers)
@@ -75,11 +74,14 @@ def test_scanned_sampler_equals_unrolled(qwen2_dir, single):
     unrolled, scanned = _models(qwen2_dir)
     params = hf_io.load_params(qwen2_dir, unrolled, single)
     stacked = model.stack_layers(params, unrolled.config.num_layers)
-    cfg = sampler.SamplingConfig(max_new_tokens=12, eos_ids=(), pad_id=0, prompt_buckets=(8,),
-                                 decode_chunks=2)
+    cfg = sampler.SamplingConfig(
+        max_new_tokens=12, eos_ids=(), pad_id=0, prompt_buckets=(8,), decode_chunks=2
+    )
     tokens, mask = _batch(unrolled.config.vocab_size, t=8)
-    outs = [sampler.Sampler(m, cfg, single).generate(p, tokens, mask, 2, jax.random.key(3))
-            for m, p in ((unrolled, params), (scanned, stacked))]
+    outs = [
+        sampler.Sampler(m, cfg, single).generate(p, tokens, mask, 2, jax.random.key(3))
+        for m, p in ((unrolled, params), (scanned, stacked))
+    ]
     np.testing.assert_array_equal(outs[0]["tokens"], outs[1]["tokens"])
     _close(outs[0]["logp"], outs[1]["logp"])
     caches = sampler.prefill(scanned, stacked, tokens, mask, 32)
@@ -87,8 +89,16 @@ def test_scanned_sampler_equals_unrolled(qwen2_dir, single):
 
 
 def _head_case(vocab=512, d=16, b=2, t=64):
-    cfg = model.ModelConfig(vocab_size=vocab, hidden_size=d, intermediate_size=8, num_layers=1,
-                            num_heads=1, num_kv_heads=1, head_dim=8, dtype="float32")
+    cfg = model.ModelConfig(
+        vocab_size=vocab,
+        hidden_size=d,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=1,
+        num_kv_heads=1,
+        head_dim=8,
+        dtype="float32",
+    )
     keys = jax.random.split(jax.random.key(0), 3)
     params = {"lm_head": {"kernel": jax.random.normal(keys[0], (d, vocab))}}
     x_BxTxD = jax.random.normal(keys[1], (b, t, d))
@@ -99,8 +109,9 @@ def _head_case(vocab=512, d=16, b=2, t=64):
 def test_chunked_logp_entropy_and_gradients_equal_unchunked():
     cfg, params, x_BxTxD, targets_BxT = _head_case(t=37)  # 37 tokens: a ragged last chunk
     logits_BxTxV = x_BxTxD @ params["lm_head"]["kernel"]
-    want = jax.tree.map(np.asarray, train_step.objective.token_logp_and_entropy(
-        logits_BxTxV, targets_BxT, 0.8))
+    want = jax.tree.map(
+        np.asarray, train_step.objective.token_logp_and_entropy(logits_BxTxV, targets_BxT, 0.8)
+    )
 
     def value(p, x, chunk):
         logp, entropy = train_step.chunked_logp_and_entropy(cfg, p, x, targets_BxT, 0.8, chunk)
@@ -119,8 +130,7 @@ def _temp_bytes(chunk, remat=True):
     cfg, params, x_BxTxD, targets_BxT = _head_case(vocab=4096, d=32, b=2, t=256)
 
     def loss(p, x):
-        logp, entropy = train_step.chunked_logp_and_entropy(cfg, p, x, targets_BxT, 1.0, chunk,
-                                                            remat=remat)
+        logp, entropy = train_step.chunked_logp_and_entropy(cfg, p, x, targets_BxT, 1.0, chunk, remat=remat)
         return jnp.sum(logp) + jnp.sum(entropy)
 
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x_BxTxD).compile()

@@ -43,14 +43,23 @@ def test_sharded_forward_equals_single_device(qwen2_dir):
     batch = sharding.batch_sharding(mesh, 2)
     with sharding.activate(mesh):
         logits = jax.jit(lambda p, t, k: model.forward(m, p, t, k))(
-            params, jax.device_put(tokens, batch), jax.device_put(mask, batch))
+            params, jax.device_put(tokens, batch), jax.device_put(mask, batch)
+        )
     assert logits.sharding.spec == P(("data", "fsdp"), None, "tensor")
     np.testing.assert_allclose(np.asarray(logits)[mask], np.asarray(ref)[mask], atol=1e-5)
 
 
 def test_init_params_is_born_sharded():
-    cfg = model.ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1,
-                            num_heads=2, num_kv_heads=2, head_dim=8, dtype="float32")
+    cfg = model.ModelConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=2,
+        head_dim=8,
+        dtype="float32",
+    )
     mesh = sharding.make_mesh({"fsdp": 4, "tensor": 2})
     params = sharding.init_params(model.Transformer(cfg), mesh, jax.random.key(0))
     up = params["layers_0"]["mlp"]["up_proj"]["kernel"]

@@ -19,11 +19,9 @@ def test_worked_solution_left_to_right():
 
 def test_worked_solution_products_first():
     # 12+7*3-5 = 12+21-5 = 28
-    assert synthetic.worked_solution([12, 7, 3, 5], "+*-") == (
-        "7*3=21\n12+21=33\n33-5=28\nAnswer: 28", 28)
+    assert synthetic.worked_solution([12, 7, 3, 5], "+*-") == ("7*3=21\n12+21=33\n33-5=28\nAnswer: 28", 28)
     # 2*3*4-1 = 23
-    assert synthetic.worked_solution([2, 3, 4, 1], "**-") == (
-        "2*3=6\n6*4=24\n24-1=23\nAnswer: 23", 23)
+    assert synthetic.worked_solution([2, 3, 4, 1], "**-") == ("2*3=6\n6*4=24\n24-1=23\nAnswer: 23", 23)
 
 
 def test_rows_are_consistent_and_deterministic():
@@ -34,7 +32,7 @@ def test_rows_are_consistent_and_deterministic():
     for i, row in enumerate(rows):
         problem = row["prompt"][0]["content"]
         solution = row["extra_info"]["solution"]
-        expression = problem[len("Compute "):-1]
+        expression = problem[len("Compute ") : -1]
         assert row["reward_model"]["ground_truth"] == str(eval(expression))  # python precedence
         assert row["extra_info"]["index"] == i
         assert len(solution.split("\n")) == row["extra_info"]["n_ops"] + 1
@@ -46,7 +44,7 @@ def test_difficulty_knob_bounds_and_errors():
     rows = synthetic.generate(50, seed=0, min_operands=6, max_operands=6, max_operand=3)
     for row in rows:
         assert row["extra_info"]["n_ops"] == 5
-        numbers = row["prompt"][0]["content"][len("Compute "):-1].replace("-", "+").split("+")
+        numbers = row["prompt"][0]["content"][len("Compute ") : -1].replace("-", "+").split("+")
         assert all(1 <= int(n) <= 3 for n in numbers)
     with pytest.raises(ValueError):
         synthetic.generate(5, seed=0, min_operands=1)
@@ -54,13 +52,26 @@ def test_difficulty_knob_bounds_and_errors():
         synthetic.generate(5, seed=0, ops="+/")
     # The whole space of "a+b" with operands in {1} is one problem: excluding it cannot finish.
     with pytest.raises(ValueError, match="could not draw"):
-        synthetic.generate(1, seed=0, max_operands=2, max_operand=1, ops="+",
-                           exclude=frozenset({"Compute 1+1."}))
+        synthetic.generate(
+            1, seed=0, max_operands=2, max_operand=1, ops="+", exclude=frozenset({"Compute 1+1."})
+        )
 
 
 def test_cli_writes_disjoint_splits(tmp_path):
-    synthetic.main(["--out", str(tmp_path), "--n_train", "200", "--n_test", "40",
-                    "--max_operands", "3", "--max_operand", "9"])
+    synthetic.main(
+        [
+            "--out",
+            str(tmp_path),
+            "--n_train",
+            "200",
+            "--n_test",
+            "40",
+            "--max_operands",
+            "3",
+            "--max_operand",
+            "9",
+        ]
+    )
     train = pq.read_table(tmp_path / "train.parquet").to_pylist()
     test = pq.read_table(tmp_path / "test.parquet").to_pylist()
     assert (len(train), len(test)) == (200, 40)
@@ -70,8 +81,22 @@ def test_cli_writes_disjoint_splits(tmp_path):
     assert train[0]["reward_model"]["style"] == "rule"
     assert train[0]["data_source"] == synthetic.DATA_SOURCE
 
-    synthetic.main(["--out", str(tmp_path), "--n_train", "200", "--n_test", "40",
-                    "--max_operands", "3", "--max_operand", "9", "--format", "jsonl"])
+    synthetic.main(
+        [
+            "--out",
+            str(tmp_path),
+            "--n_train",
+            "200",
+            "--n_test",
+            "40",
+            "--max_operands",
+            "3",
+            "--max_operand",
+            "9",
+            "--format",
+            "jsonl",
+        ]
+    )
     with open(tmp_path / "train.jsonl") as f:
         assert [json.loads(line) for line in f] == train
 

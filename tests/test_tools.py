@@ -17,9 +17,10 @@ from flax import traverse_util
 from safetensors.numpy import load_file
 
 from configs import dapo
-from conftest import small
 from dapo_jax import evaluate, export, hf_io, metrics, rewards, run, train
 from dapo_jax.errors import ConfigError
+
+from conftest import small
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAVE_WANDB = importlib.util.find_spec("wandb") is not None
@@ -32,12 +33,12 @@ def _config(**overrides):
 # A user's reward: a constant score (so that the run's mean score shows it was used), correct
 # on an even response length (so that groups are mixed), and it raises unless it gets the row's
 # data_source and extra_info (so that a missing context shows as reward errors).
-USER_REWARD = '''
+USER_REWARD = """
 def score(response, ground_truth, *, data_source, extra_info):
     if data_source != "synthetic_arith" or "solution" not in extra_info:
         raise ValueError(f"no context: {data_source!r} {extra_info!r}")
     return {"score": 0.25, "acc": len(response) % 2 == 0, "pred": response[-3:]}
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -49,21 +50,33 @@ def workdir(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("WANDB_MODE", "offline")
         patch.setenv("WANDB_SILENT", "true")
-        train.train(_config(train__steps=2, reward__fn=f"{path}/user_reward.py:score",
-                            metrics__writers=writers, metrics__aliases=True,
-                            profile__steps="2"), str(path))
+        train.train(
+            _config(
+                train__steps=2,
+                reward__fn=f"{path}/user_reward.py:score",
+                metrics__writers=writers,
+                metrics__aliases=True,
+                profile__steps="2",
+            ),
+            str(path),
+        )
     return str(path)
 
 
 @pytest.mark.skipif(not HAVE_WANDB, reason="wandb is not installed (pip install -e .[tracking])")
 def test_wandb_offline_logs_under_the_recipes_names(workdir):
     run_id = open(os.path.join(workdir, "wandb_run_id")).read().strip()
-    (log,) = glob.glob(os.path.join(workdir, "wandb", f"offline-run-*-{run_id}",
-                                    f"run-{run_id}.wandb"))
+    (log,) = glob.glob(os.path.join(workdir, "wandb", f"offline-run-*-{run_id}", f"run-{run_id}.wandb"))
     history = open(log, "rb").read()  # protobuf records: the metric names are plain bytes
-    for name in ("critic/score/mean", "response_length/mean", "actor/entropy", "actor/pg_clipfrac",
-                 "actor/pg_clipfrac_eps_low", "train/num_gen_batches",
-                 "dynamic_sampling/kept_fraction"):
+    for name in (
+        "critic/score/mean",
+        "response_length/mean",
+        "actor/entropy",
+        "actor/pg_clipfrac",
+        "actor/pg_clipfrac_eps_low",
+        "train/num_gen_batches",
+        "dynamic_sampling/kept_fraction",
+    ):
         assert name.encode() in history, name
     assert b"data/score_mean" not in history  # aliased: logged under the recipe's name only
     assert os.listdir(os.path.join(workdir, "tensorboard"))
@@ -71,8 +84,7 @@ def test_wandb_offline_logs_under_the_recipes_names(workdir):
 
 def test_a_profiled_step_leaves_its_trace(workdir):
     assert os.listdir(os.path.join(workdir, "profile")) == ["step_2"]
-    traces = glob.glob(os.path.join(workdir, "profile", "step_2", "**", "*.xplane.pb"),
-                       recursive=True)
+    traces = glob.glob(os.path.join(workdir, "profile", "step_2", "**", "*.xplane.pb"), recursive=True)
     assert traces and os.path.getsize(traces[0]) > 0
 
 
@@ -84,11 +96,14 @@ def test_every_key_of_the_console_line_is_emitted(workdir):
     assert all(f"  {label} " in line for _, label, _ in metrics.CONSOLE)
 
 
-@pytest.mark.parametrize("key,value,message", [
-    ("writers", "jsonl,mlflow", "metrics.writers 'jsonl,mlflow': a comma-separated list of"),
-    ("writers", "tensorboard", "that includes jsonl"),
-    ("steps", "3,x", "profile.steps '3,x': comma-separated step numbers >= 1"),
-])
+@pytest.mark.parametrize(
+    "key,value,message",
+    [
+        ("writers", "jsonl,mlflow", "metrics.writers 'jsonl,mlflow': a comma-separated list of"),
+        ("writers", "tensorboard", "that includes jsonl"),
+        ("steps", "3,x", "profile.steps '3,x': comma-separated step numbers >= 1"),
+    ],
+)
 def test_bad_tracking_keys_are_one_line(key, value, message):
     c = _config()
     (c.metrics if key == "writers" else c.profile)[key] = value
@@ -113,8 +128,11 @@ def test_evaluate_a_checkpoint_writes_every_sample(workdir):
     assert len(rows) == 8 * 2 and {r["sample"] for r in rows} == {0, 1}
     for row in rows:  # every row's score is the reward of its own response, recomputed here
         expected = rewards.math_dapo_score(row["response"], row["ground_truth"])
-        assert (row["score"], row["acc"], row["pred"]) == (expected["score"], expected["acc"],
-                                                         expected["pred"])
+        assert (row["score"], row["acc"], row["pred"]) == (
+            expected["score"],
+            expected["acc"],
+            expected["pred"],
+        )
         assert row["truncated"] == (row["length"] == 40) or row["length"] < 40
         assert row["prompt"] and isinstance(row["length"], int)
     by_problem = {}
@@ -124,15 +142,13 @@ def test_evaluate_a_checkpoint_writes_every_sample(workdir):
     assert result["eval/avg@2"] == pytest.approx(np.mean(per_problem))
     assert result["eval/se_avg@2"] == pytest.approx(np.std(per_problem, ddof=1) / np.sqrt(8))
     assert result["eval/pass@2"] == pytest.approx(np.mean([max(a) for a in by_problem.values()]))
-    assert {"eval/pass@1", "eval/maj@1", "eval/maj@2", "eval/se_pass@2", "eval/se_maj@2"} <= \
-        set(result)
+    assert {"eval/pass@1", "eval/maj@1", "eval/maj@2", "eval/se_pass@2", "eval/se_maj@2"} <= set(result)
     assert json.load(open(os.path.join(out, "metrics.json")))["step"] == 1
     assert "avg@2 " in evaluate.summary_text(result) and "± " in evaluate.summary_text(result)
 
 
 def test_export_any_step_and_evaluate_the_folder_from_the_command_line(workdir, tmp_path):
-    out, step = export.export(_config(), workdir, step=1, out=str(tmp_path / "hf"),
-                              dtype="bfloat16")
+    out, step = export.export(_config(), workdir, step=1, out=str(tmp_path / "hf"), dtype="bfloat16")
     assert step == 1
     hf_io.check_model_folder(out)
     assert json.load(open(os.path.join(out, "config.json")))["dtype"] == "bfloat16"
@@ -145,10 +161,20 @@ def test_export_any_step_and_evaluate_the_folder_from_the_command_line(workdir, 
         name, transposed = hf_io.hf_name(path)
         x = np.asarray(x).astype(ml_dtypes.bfloat16)
         np.testing.assert_array_equal(weights[name], x.T if transposed else x)
-    cmd = [sys.executable, "-m", "dapo_jax.evaluate", "--config=configs/dapo.py:tiny",
-           f"--model={out}", f"--out={tmp_path / 'eval'}", "--samples=2", "--top_p=0.9",
-           "--max_new_tokens=24", "--config.eval.max_problems=4",
-           "--config.eval.batch_prompts=4", "--config.reward.num_workers=1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dapo_jax.evaluate",
+        "--config=configs/dapo.py:tiny",
+        f"--model={out}",
+        f"--out={tmp_path / 'eval'}",
+        "--samples=2",
+        "--top_p=0.9",
+        "--max_new_tokens=24",
+        "--config.eval.max_problems=4",
+        "--config.eval.batch_prompts=4",
+        "--config.reward.num_workers=1",
+    ]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "4 problems x 2 samples: avg@2 " in done.stdout
@@ -157,10 +183,18 @@ def test_export_any_step_and_evaluate_the_folder_from_the_command_line(workdir, 
 
 
 def test_export_of_a_missing_step_is_one_line_naming_the_steps(workdir, tmp_path):
-    cmd = [sys.executable, "-m", "dapo_jax.export", "--config=configs/dapo.py:tiny",
-           f"--workdir={workdir}", "--step=7", f"--out={tmp_path / 'x'}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dapo_jax.export",
+        "--config=configs/dapo.py:tiny",
+        f"--workdir={workdir}",
+        "--step=7",
+        f"--out={tmp_path / 'x'}",
+    ]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     errors = [line for line in done.stderr.splitlines() if line.startswith("error")]
     assert done.returncode == 2 and errors == [
-        f"error: workdir {workdir!r} has no checkpoint of step 7; its steps: [1, 2]"]
+        f"error: workdir {workdir!r} has no checkpoint of step 7; its steps: [1, 2]"
+    ]
     assert not os.path.exists(tmp_path / "x")

@@ -24,13 +24,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _cli(workdir, *extra):
-    return [sys.executable, "-m", "dapo_jax.train", "--config=configs/dapo.py:tiny",
-            f"--workdir={workdir}", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "dapo_jax.train",
+        "--config=configs/dapo.py:tiny",
+        f"--workdir={workdir}",
+        *extra,
+    ]
 
 
 def _start(workdir, *extra):
-    return subprocess.Popen(_cli(workdir, *extra), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        _cli(workdir, *extra), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 def _wait_for_step(proc, workdir, step, timeout=600):
@@ -46,8 +53,7 @@ def _wait_for_step(proc, workdir, step, timeout=600):
 
 
 def _maths(records):
-    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(WALL_CLOCK)}
-            for r in records}
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(WALL_CLOCK)} for r in records}
 
 
 @pytest.mark.slow
@@ -81,20 +87,28 @@ def test_resume_after_sigkill_and_sigterm_equals_uninterrupted_run(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flag,message", [
-    ("--config.optim.lrr=1e-6", "config.optim has no key 'lrr'; valid keys: ['b1', 'b2',"),
-    ("--config.data.train_files=('/no/such/train.parquet',)",
-     "data file '/no/such/train.parquet' does not exist"),
-    ("--config.model.path=/no/such/model", "'/no/such/model/config.json' does not exist"),
-    ("--config.train.steps=-3", "train.steps must be in [1, inf), got -3"),
-    ("--config.data.train_files=('{tmp}/a b.parquet',)",
-     "data file '{tmp}/a b.parquet' is not a readable parquet file"),
-])
+@pytest.mark.parametrize(
+    "flag,message",
+    [
+        ("--config.optim.lrr=1e-6", "config.optim has no key 'lrr'; valid keys: ['b1', 'b2',"),
+        (
+            "--config.data.train_files=('/no/such/train.parquet',)",
+            "data file '/no/such/train.parquet' does not exist",
+        ),
+        ("--config.model.path=/no/such/model", "'/no/such/model/config.json' does not exist"),
+        ("--config.train.steps=-3", "train.steps must be in [1, inf), got -3"),
+        (
+            "--config.data.train_files=('{tmp}/a b.parquet',)",
+            "data file '{tmp}/a b.parquet' is not a readable parquet file",
+        ),
+    ],
+)
 def test_bad_config_is_one_line_before_compiling(flag, message, tmp_path):
     (tmp_path / "a b.parquet").write_text("not parquet")
     flag, message = flag.format(tmp=tmp_path), message.format(tmp=tmp_path)
-    out = subprocess.run(_cli(str(tmp_path / "run"), flag), cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(
+        _cli(str(tmp_path / "run"), flag), cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     lines = [l for l in out.stderr.splitlines() if l[:1] not in "WI" or l.startswith("error")]
     assert out.returncode == 2
     assert lines == [lines[-1]] and lines[-1].startswith("error: ") and message in lines[-1]
@@ -102,8 +116,7 @@ def test_bad_config_is_one_line_before_compiling(flag, message, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_damaged_latest_checkpoint_is_skipped_and_every_step_logged_once(tmp_path, capsys,
-                                                                          caplog):
+def test_a_damaged_latest_checkpoint_is_skipped_and_every_step_logged_once(tmp_path, capsys, caplog):
     config = small(dapo.get_config("tiny"), train__steps=2, checkpoint__asynchronous=False)
     workdir = str(tmp_path)
     train.train(config, workdir)
@@ -116,8 +129,10 @@ def test_a_damaged_latest_checkpoint_is_skipped_and_every_step_logged_once(tmp_p
     with caplog.at_level(logging.WARNING):
         train.train(config, workdir)
     assert "at step 1" in capsys.readouterr().out
-    assert any(r.getMessage().startswith("checkpoint 2 in ") and "cannot be restored" in
-               r.getMessage() for r in caplog.records)
+    assert any(
+        r.getMessage().startswith("checkpoint 2 in ") and "cannot be restored" in r.getMessage()
+        for r in caplog.records
+    )
     steps = [r["step"] for r in metrics.read_jsonl(os.path.join(workdir, metrics.JSONL))]
     assert steps == [1, 2]
     assert checkpoint.Checkpointer(workdir).all_steps() == [1, 2]
@@ -132,13 +147,16 @@ def test_nonfinite_updates_are_skipped_then_the_run_stops_with_a_checkpoint(tmp_
         return dataclasses.replace(batch, reward_B=np.full_like(batch.reward_B, np.nan))
 
     monkeypatch.setattr(rollout, "generation_batch", nan_rewards)
-    config = small(dapo.get_config("tiny"), train__steps=3, train__max_consecutive_nonfinite=3,
-                   checkpoint__every=10)
+    config = small(
+        dapo.get_config("tiny"), train__steps=3, train__max_consecutive_nonfinite=3, checkpoint__every=10
+    )
     with pytest.raises(FloatingPointError, match="step 2: 4 updates in a row"):
         train.train(config, str(tmp_path))
     records = metrics.read_jsonl(str(tmp_path / metrics.JSONL))
-    assert [(r["step"], r["actor/skipped_updates"], r["actor/update_norm"]) for r in records] == \
-        [(1, 2, 0.0), (2, 2, 0.0)]
+    assert [(r["step"], r["actor/skipped_updates"], r["actor/update_norm"]) for r in records] == [
+        (1, 2, 0.0),
+        (2, 2, 0.0),
+    ]
     assert all(r["actor/pg_loss"] == "nan" or math.isnan(float(r["actor/pg_loss"])) for r in records)
     assert checkpoint.Checkpointer(str(tmp_path)).latest_step() == 2  # the last good state
 
@@ -146,16 +164,28 @@ def test_nonfinite_updates_are_skipped_then_the_run_stops_with_a_checkpoint(tmp_
 def test_logp_agreement_measures_carried_groups_apart():
     """Rows 0-1 (a carried group) were sampled before the last update; rows 2-3 now. Prompt
     columns and masked response tokens never count."""
-    sampler_logp = np.array([[-1.0, -2.0, -3.0], [-1.0, -1.0, 0.0],
-                             [-0.5, -0.25, -9.0], [-2.0, 0.0, 0.0]])
-    old_logp = np.concatenate([np.full((4, 2), 7.0), sampler_logp + np.array(
-        [[0.5, 0.5, 0.5], [0.5, 0.5, 0.5], [0.01, -0.03, 5.0], [0.02, 5.0, 5.0]])], axis=1)
-    loss_mask = np.concatenate([np.zeros((4, 2), bool), np.array(  # the prompt, the response
-        [[1, 1, 1], [1, 1, 0], [1, 1, 0], [1, 0, 0]], bool)], axis=1)
+    sampler_logp = np.array([[-1.0, -2.0, -3.0], [-1.0, -1.0, 0.0], [-0.5, -0.25, -9.0], [-2.0, 0.0, 0.0]])
+    old_logp = np.concatenate(
+        [
+            np.full((4, 2), 7.0),
+            sampler_logp + np.array([[0.5, 0.5, 0.5], [0.5, 0.5, 0.5], [0.01, -0.03, 5.0], [0.02, 5.0, 5.0]]),
+        ],
+        axis=1,
+    )
+    loss_mask = np.concatenate(
+        [
+            np.zeros((4, 2), bool),
+            np.array(  # the prompt, the response
+                [[1, 1, 1], [1, 1, 0], [1, 1, 0], [1, 0, 0]], bool
+            ),
+        ],
+        axis=1,
+    )
     carried_B = np.array([True, True, False, False])
     got = train._logp_agreement(sampler_logp, 2, old_logp, loss_mask, carried_B)
-    assert got == pytest.approx({"rollout/logp_diff_mean": 0.02, "rollout/logp_diff_max": 0.03,
-                                 "rollout/carried_logp_diff_mean": 0.5})
+    assert got == pytest.approx(
+        {"rollout/logp_diff_mean": 0.02, "rollout/logp_diff_max": 0.03, "rollout/carried_logp_diff_mean": 0.5}
+    )
     fresh_only = train._logp_agreement(sampler_logp, 2, old_logp, loss_mask, np.zeros(4, bool))
     assert fresh_only["rollout/logp_diff_max"] == pytest.approx(0.5)
     assert "rollout/carried_logp_diff_mean" not in fresh_only
@@ -168,11 +198,14 @@ def test_rollout_masks_filtered_and_missing_rows_and_cuts_to_the_length_bucket()
     mask_BxN = np.arange(6) < np.array([[2], [3], [0], [0]])
     rows = dataclasses.replace(
         gen_batch([True, False, False, False], length_B=[2, 3, 0, 0], reward_B=[1.0, -1.0, 0, 0]),
-        prompt_tokens_BxQ=np.full((4, 3), 7, np.int32), prompt_mask_BxQ=np.ones((4, 3), bool),
-        tokens_BxN=np.where(mask_BxN, 5, 0).astype(np.int32), mask_BxN=mask_BxN,
-        logp_BxN=np.zeros((4, 6), np.float32), loss_keep_B=np.array([True, False, True, True]))
-    batch = TrainBatch(rows, valid_B=np.array([True, True, False, False]),
-                       carried_B=np.zeros(4, bool))
+        prompt_tokens_BxQ=np.full((4, 3), 7, np.int32),
+        prompt_mask_BxQ=np.ones((4, 3), bool),
+        tokens_BxN=np.where(mask_BxN, 5, 0).astype(np.int32),
+        mask_BxN=mask_BxN,
+        logp_BxN=np.zeros((4, 6), np.float32),
+        loss_keep_B=np.array([True, False, True, True]),
+    )
+    batch = TrainBatch(rows, valid_B=np.array([True, True, False, False]), carried_B=np.zeros(4, bool))
     got = train._rollout(batch, group_size=2, normalize_std=False, length_bucket=2)
     np.testing.assert_array_equal(got.tokens_BxT[0], [7, 7, 7, 5, 5, 0, 0])
     np.testing.assert_array_equal(got.mask_BxT[1], [1, 1, 1, 1, 1, 1, 0])
@@ -181,14 +214,19 @@ def test_rollout_masks_filtered_and_missing_rows_and_cuts_to_the_length_bucket()
 
 
 def test_data_metrics_count_valid_rows_only():
-    valid = gen_batch([True, False], length_B=[4, 10], score_B=[1.0, -1.0],
-                      reward_B=[1.0, -1.5])
-    batch = TrainBatch(valid.with_zero_rows(2), valid_B=np.array([True, True, False, False]),
-                       carried_B=np.zeros(4, bool))
+    valid = gen_batch([True, False], length_B=[4, 10], score_B=[1.0, -1.0], reward_B=[1.0, -1.5])
+    batch = TrainBatch(
+        valid.with_zero_rows(2), valid_B=np.array([True, True, False, False]), carried_B=np.zeros(4, bool)
+    )
     assert train._data_metrics(batch) == {
-        "data/score_mean": 0.0, "data/reward_mean": -0.25, "data/acc_mean": 0.5,
-        "data/response_length_mean": 7.0, "data/response_length_max": 10.0,
-        "data/response_length_min": 4.0, "data/truncated_fraction": 0.0}
+        "data/score_mean": 0.0,
+        "data/reward_mean": -0.25,
+        "data/acc_mean": 0.5,
+        "data/response_length_mean": 7.0,
+        "data/response_length_max": 10.0,
+        "data/response_length_min": 4.0,
+        "data/truncated_fraction": 0.0,
+    }
 
 
 def test_held_out_text_gives_standard_errors_and_the_gain():

@@ -10,16 +10,32 @@ import pytest
 from dapo_jax import model, objective, sharding
 from dapo_jax import train_step as ts
 
-CFG = model.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
-                        num_heads=4, num_kv_heads=2, head_dim=8, dtype="float32")
+CFG = model.ModelConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    dtype="float32",
+)
 MODEL = model.Transformer(CFG)
 FAST_COMPILE = {"xla_backend_optimization_level": 0}  # the tests' own jits: ~40% less compile time
 forward = jax.jit(functools.partial(model.forward, MODEL), compiler_options=FAST_COMPILE)
 
 
 def loss_cfg(agg_mode="token-mean"):
-    return ts.LossConfig(eps_low=0.2, eps_high=0.28, clip_ratio_c=3.0, agg_mode=agg_mode,
-                         norm_const=16.0, beta=0.1, entropy_coef=0.0, temperature=0.7)
+    return ts.LossConfig(
+        eps_low=0.2,
+        eps_high=0.28,
+        clip_ratio_c=3.0,
+        agg_mode=agg_mode,
+        norm_const=16.0,
+        beta=0.1,
+        entropy_coef=0.0,
+        temperature=0.7,
+    )
 
 
 def single_mesh():
@@ -50,9 +66,10 @@ def single_device_batch():
     """A mini-batch (on the host) for `init(single_mesh())` whose old and reference log-probs are
     the policy's plus noise, so that the clips are hit."""
     r = rollout()
-    logp = jax.jit(functools.partial(ts.compute_logprobs, MODEL, temperature=0.7,
-                                     num_micro_batches=1), compiler_options=FAST_COMPILE)(
-        init(single_mesh()), r.tokens_BxT, r.mask_BxT)
+    logp = jax.jit(
+        functools.partial(ts.compute_logprobs, MODEL, temperature=0.7, num_micro_batches=1),
+        compiler_options=FAST_COMPILE,
+    )(init(single_mesh()), r.tokens_BxT, r.mask_BxT)
     old_noise, ref_noise = np.random.default_rng(1).normal(0, 0.3, (2, *logp.shape))
     return jax.device_get(ts.Batch(*r, logp + old_noise, logp + ref_noise))
 
@@ -61,8 +78,11 @@ def single_device_batch():
 def test_gradient_accumulation_is_invariant(agg_mode):
     params = init(single_mesh())
     batch = single_device_batch()
-    grads_of = jax.jit(functools.partial(ts.loss_and_grads, MODEL, loss_cfg(agg_mode)),
-                       static_argnums=2, compiler_options=FAST_COMPILE)
+    grads_of = jax.jit(
+        functools.partial(ts.loss_and_grads, MODEL, loss_cfg(agg_mode)),
+        static_argnums=2,
+        compiler_options=FAST_COMPILE,
+    )
     g1, m1 = grads_of(params, batch, 1)
     assert m1["pg_clipfrac_upper"] > 0 and m1["pg_clipfrac_lower"] > 0  # the clips are exercised
     flat1 = np.concatenate([np.ravel(x) for x in jax.tree.leaves(g1)])
@@ -76,10 +96,17 @@ def test_gradient_accumulation_is_invariant(agg_mode):
     logits = forward(params, batch.tokens_BxT, batch.mask_BxT)
     logp = jax.nn.log_softmax(logits / 0.7)[:, :-1]
     logp = np.take_along_axis(np.asarray(logp), batch.tokens_BxT[:, 1:, None], -1)[..., 0]
-    loss, _ = objective.policy_loss(logp, batch.old_logp_BxT[:, 1:], batch.adv_B,
-                                    batch.loss_mask_BxT[:, 1:], clip_ratio_c=3.0,
-                                    agg_mode=agg_mode, norm_const=16.0,
-                                    ref_logp_BxT=batch.ref_logp_BxT[:, 1:], beta=0.1)
+    loss, _ = objective.policy_loss(
+        logp,
+        batch.old_logp_BxT[:, 1:],
+        batch.adv_B,
+        batch.loss_mask_BxT[:, 1:],
+        clip_ratio_c=3.0,
+        agg_mode=agg_mode,
+        norm_const=16.0,
+        ref_logp_BxT=batch.ref_logp_BxT[:, 1:],
+        beta=0.1,
+    )
     np.testing.assert_allclose(m1["loss"], loss, rtol=1e-5)
 
 
@@ -114,8 +141,9 @@ def test_sharded_step_equals_single_device():
     for k in ("loss", "grad_norm", "update_norm", "pg_clipfrac_upper", "entropy", "kl_ref"):
         np.testing.assert_allclose(m8[k], m1[k], rtol=1e-5)
     moved = 0.0
-    for a, b, p0 in zip(jax.tree.leaves(state8.params), jax.tree.leaves(state1.params),
-                        jax.tree.leaves(expected0)):
+    for a, b, p0 in zip(
+        jax.tree.leaves(state8.params), jax.tree.leaves(state1.params), jax.tree.leaves(expected0)
+    ):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
         moved = max(moved, float(np.max(np.abs(np.asarray(b) - p0))))
     assert moved > 1e-3  # the step did change the parameters
@@ -139,8 +167,7 @@ def test_non_finite_loss_skips_the_update():
     state, metrics = step(state, batch)
     assert metrics["skipped"] == 0.0 and int(state.step) == 1
     np.testing.assert_allclose(metrics["learning_rate"], 0.1)
-    assert not np.array_equal(np.asarray(state.params["norm"]["scale"]),
-                              before.params["norm"]["scale"])
+    assert not np.array_equal(np.asarray(state.params["norm"]["scale"]), before.params["norm"]["scale"])
 
 
 def test_old_logprobs_are_the_policy_before_the_first_of_k_updates():
@@ -169,17 +196,20 @@ def test_optimizer_clips_the_global_norm_then_applies_adamw():
     for max_norm, g in ((1.0, np.array([0.6, 0.8])), (10.0, np.array([3.0, 4.0]))):
         opt = ts.make_optimizer(schedule, weight_decay=0.1, max_grad_norm=max_norm, eps=1.0)
         updates, _ = opt.update(grads, opt.init(params), params)
-        np.testing.assert_allclose(updates["w"], -(g / (g + 1) + 0.1 * np.array([1.0, 2.0])),
-                                   rtol=1e-5)
+        np.testing.assert_allclose(updates["w"], -(g / (g + 1) + 0.1 * np.array([1.0, 2.0])), rtol=1e-5)
 
 
 def test_learning_rate_schedules_by_hand():
     constant = ts.learning_rate_schedule(1e-3, 4, "constant")
-    np.testing.assert_allclose([constant(s) for s in range(6)],
-                               [2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3], rtol=1e-6)
+    np.testing.assert_allclose(
+        [constant(s) for s in range(6)], [2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3], rtol=1e-6
+    )
     cosine = ts.learning_rate_schedule(1.0, 2, "cosine", total_updates=6, final_ratio=0.0)
-    np.testing.assert_allclose([cosine(s) for s in range(7)],
-                               [.5, 1, 1, 0.5 * (1 + np.cos(np.pi / 4)), .5,
-                                0.5 * (1 + np.cos(3 * np.pi / 4)), 0], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(
+        [cosine(s) for s in range(7)],
+        [0.5, 1, 1, 0.5 * (1 + np.cos(np.pi / 4)), 0.5, 0.5 * (1 + np.cos(3 * np.pi / 4)), 0],
+        rtol=1e-6,
+        atol=1e-7,
+    )
     with pytest.raises(ValueError, match="total_updates"):
         ts.learning_rate_schedule(1.0, 2, "cosine")
