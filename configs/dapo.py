@@ -86,8 +86,11 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
     c.metrics = dict(
         writers="jsonl,tensorboard",  # add ",wandb" (pip install wandb)
         wandb_project="dapo-jax",
-        aliases=False,
-    )  # wandb also under verl's recipe names (metrics.RECIPE_NAMES)
+        aliases=False,  # wandb also under verl's recipe names (metrics.RECIPE_NAMES)
+        completions_every=10,  # steps between tables of sampled completions (0: none)
+        completions_rows=8,  # responses in a table: one from each of the first groups
+        completions_chars=2000,  # the last characters of prompt and response kept (0: all)
+    )
     c.profile = dict(steps="")  # "a,b": a jax.profiler trace of those steps in <workdir>/profile
     return c
 
@@ -181,8 +184,11 @@ def tiny() -> ml_collections.ConfigDict:
     c.metrics = dict(
         writers="jsonl,tensorboard",  # add ",wandb" (pip install wandb)
         wandb_project="dapo-jax",
-        aliases=False,
-    )  # wandb also under verl's recipe names (metrics.RECIPE_NAMES)
+        aliases=False,  # wandb also under verl's recipe names (metrics.RECIPE_NAMES)
+        completions_every=10,  # steps between tables of sampled completions (0: none)
+        completions_rows=8,  # responses in a table: one from each of the first groups
+        completions_chars=0,  # the last characters of prompt and response kept (0: all)
+    )
     c.profile = dict(steps="")  # "a,b": a jax.profiler trace of those steps in <workdir>/profile
     return c
 

@@ -25,6 +25,7 @@ import tensorboardX
 from dapo_jax import paths
 
 JSONL = "metrics.jsonl"
+COMPLETIONS = "completions.jsonl"  # tables of sampled completions, every metrics.completions_every steps
 WRITERS = ("jsonl", "tensorboard", "wandb")
 
 # Our key -> the recipe's name for the same quantity (verl's compute_data_metrics, dp_actor and
@@ -117,13 +118,8 @@ class MetricsWriter:
         root = paths.run_path(workdir)
         root.mkdir(parents=True, exist_ok=True)
         self.path = root / JSONL
-        self._lines = []  # the file's records, as its lines
-        if self.path.exists():
-            self._lines = [
-                json.dumps(r) + "\n"
-                for r in read_jsonl(self.path)
-                if resume_step is None or r["step"] <= resume_step
-            ]
+        self._jsonl = _JsonlLog(self.path, resume_step)
+        self._completions = _JsonlLog(root / COMPLETIONS, resume_step)
         purge = None if resume_step is None else resume_step + 1
         paths.tensorboard_writers()
         self._tb = (
@@ -146,8 +142,20 @@ class MetricsWriter:
         if self._wandb is not None:
             self._wandb.log(recipe_names(finite) if self._aliases else finite, step=step)
         record = {"step": step, **{k: (v if math.isfinite(v) else str(v)) for k, v in scalars.items()}}
-        self._lines.append(json.dumps(record) + "\n")
-        paths.write_text_atomic(self.path, "".join(self._lines))
+        self._jsonl.append([record])
+
+    def write_completions(self, step: int, records: list[dict]) -> None:
+        """A table of sampled completions (`rollout.sample_records`) to `<workdir>/completions.jsonl`,
+        each record with its step, and to wandb as a table."""
+        if not self.enabled or not records:
+            return
+        self._completions.append([{"step": step, **r} for r in records])
+        if self._wandb is not None:
+            import wandb  # pylint: disable=import-outside-toplevel  # optional: extra `tracking`
+
+            columns = list(records[0])
+            table = wandb.Table(columns=columns, data=[[r[k] for k in columns] for r in records])
+            self._wandb.log({"completions": table}, step=step)
 
     def close(self) -> None:
         if self.enabled:
@@ -155,6 +163,25 @@ class MetricsWriter:
                 self._tb.close()
             if self._wandb is not None:
                 self._wandb.finish()
+
+
+class _JsonlLog:
+    """A JSONL file of records that have a `step`, rewritten whole at each append (an object store
+    cannot append); the records past `resume_step` of an existing file are dropped."""
+
+    def __init__(self, path, resume_step: int | None):
+        self.path = path
+        self._lines = []  # the file's records, as its lines
+        if path.exists():
+            self._lines = [
+                json.dumps(r) + "\n"
+                for r in read_jsonl(path)
+                if resume_step is None or r["step"] <= resume_step
+            ]
+
+    def append(self, records: list[dict]) -> None:
+        self._lines += [json.dumps(r) + "\n" for r in records]
+        paths.write_text_atomic(self.path, "".join(self._lines))
 
 
 def parse_writers(writers: str) -> tuple[str, ...]:

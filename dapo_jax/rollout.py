@@ -140,30 +140,32 @@ def evaluate(
         ]
         lengths.append(out.length_B[:n_real])
         if sample_rows is not None:
-            sample_rows += _sample_rows(chunk, samples, out, n_real)
+            examples_B = [chunk[b // samples] for b in range(n_real)]
+            records_B = sample_records(out, examples_B, range(n_real))
+            sample_rows += [{"sample": b % samples, **r} for b, r in enumerate(records_B)]
     result = evaluation.evaluate(records, ks=ks or [samples])
     metrics = {f"eval/{k}": v for k, v in result.items() if "@" in k}
     metrics["eval/response_length_mean"] = float(np.concatenate(lengths).mean())
     return metrics
 
 
-def _sample_rows(examples: list[dict], samples: int, out: GenerationBatch, n_real: int) -> list[dict]:
-    """One readable record per sample of `sample_and_score`'s output (the first n_real rows)."""
-    rows = []
-    for b in range(n_real):
-        example = examples[b // samples]
-        rows.append(
-            {
-                "problem_id": int(out.problem_id_B[b]),
-                "sample": b % samples,
-                "prompt": example["prompt_text"],
-                "response": str(out.response_B[b]),
-                "pred": str(out.pred_B[b]),
-                "ground_truth": example["ground_truth"],
-                "score": float(out.score_B[b]),
-                "acc": bool(out.acc_B[b]),
-                "length": int(out.length_B[b]),
-                "truncated": bool(out.truncated_B[b]),
-            }
-        )
-    return rows
+def sample_records(batch: GenerationBatch, examples: list[dict], rows, tail_chars: int = 0) -> list[dict]:
+    """One readable record per row b of `rows` (`examples[i]` the problem of row rows[i]): prompt,
+    response (their last `tail_chars` characters when > 0), extracted answer, ground truth, score,
+    acc, shaped reward, length, truncated."""
+    tail = (lambda text: text[-tail_chars:]) if tail_chars else (lambda text: text)
+    return [
+        {
+            "problem_id": int(batch.problem_id_B[b]),
+            "prompt": tail(example["prompt_text"]),
+            "response": tail(str(batch.response_B[b])),
+            "pred": str(batch.pred_B[b]),
+            "ground_truth": example["ground_truth"],
+            "score": float(batch.score_B[b]),
+            "acc": bool(batch.acc_B[b]),
+            "reward": float(batch.reward_B[b]),
+            "length": int(batch.length_B[b]),
+            "truncated": bool(batch.truncated_B[b]),
+        }
+        for b, example in zip(rows, examples)
+    ]

@@ -357,8 +357,9 @@ def _step(
     prompts: data.PromptIterator,
     filt: dynamic_sampling.DynamicSampler,
     step: int,
-) -> tuple[train_step.TrainState, dict]:
-    """One DAPO step: sample and filter, advantages, log pi_old, the updates; (state, metrics)."""
+) -> tuple[train_step.TrainState, dict, TrainBatch]:
+    """One DAPO step: sample and filter, advantages, log pi_old, the updates; (state, metrics,
+    the train batch)."""
     c = run.config
     t0 = time.time()
     batch, filter_stats = _sample_train_batch(run, state.params, prompts, filt, step)
@@ -403,7 +404,17 @@ def _step(
             "reward/timeouts_total": run.scorer.totals["n_timeout"],
         }
     )
-    return state, out
+    return state, out, batch
+
+
+def completion_records(
+    batch: TrainBatch, examples_by_problem: dict, group_size: int, m: ml_collections.ConfigDict
+) -> list[dict]:
+    """The first response of each of the first `m.completions_rows` real groups of the train
+    batch, readable (`rollout.sample_records`, the last `m.completions_chars` characters)."""
+    rows = np.flatnonzero(batch.valid_B)[::group_size][: m.completions_rows]
+    examples = [examples_by_problem[int(batch.rows.problem_id_B[b])] for b in rows]
+    return rollout.sample_records(batch.rows, examples, rows, m.completions_chars)
 
 
 def train(c: ml_collections.ConfigDict, workdir: str, checkpoint_dir: str | None = None) -> dict:
@@ -419,6 +430,7 @@ def train(c: ml_collections.ConfigDict, workdir: str, checkpoint_dir: str | None
         workdir, keep=c.checkpoint.keep, directory=checkpoint_dir, asynchronous=c.checkpoint.asynchronous
     )
     prompts, filt = data.PromptIterator(run.train_examples, c.seed), make_filter(c)
+    examples_by_problem = {ex["problem_id"]: ex for ex in run.train_examples}
     try:
         start, state, nonfinite_run = _restore_or_start(run, ckpt, prompts, filt)
         writer = metrics.MetricsWriter(
@@ -438,7 +450,7 @@ def train(c: ml_collections.ConfigDict, workdir: str, checkpoint_dir: str | None
             print(f"step     0  held-out {_eval_text(summary)}", flush=True)
         for step in range(start + 1, c.train.steps + 1):
             with _trace(workdir, step, profiled):
-                state, summary = _step(run, state, prompts, filt, step)
+                state, summary, batch = _step(run, state, prompts, filt, step)
             skipped = summary["actor/skipped_updates"]
             nonfinite_run = nonfinite_run + skipped if skipped else 0
             if skipped:
@@ -446,6 +458,10 @@ def train(c: ml_collections.ConfigDict, workdir: str, checkpoint_dir: str | None
             if c.eval.every and run.eval_examples and (step % c.eval.every == 0 or step == c.train.steps):
                 summary.update(evaluate(run, state.params, step))
             writer.write(step, summary)
+            if c.metrics.completions_every and step % c.metrics.completions_every == 0:
+                writer.write_completions(
+                    step, completion_records(batch, examples_by_problem, c.rollout.group_size, c.metrics)
+                )
             print(metrics.console_line(step, summary), flush=True)
             stop = nonfinite_run >= c.train.max_consecutive_nonfinite
             preempted = preemption.agreed()

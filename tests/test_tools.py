@@ -57,10 +57,24 @@ def workdir(tmp_path_factory):
                 metrics__writers=writers,
                 metrics__aliases=True,
                 profile__steps="2",
+                metrics__completions_every=1,
+                metrics__completions_rows=2,
+                metrics__completions_chars=0,
             ),
             str(path),
         )
     return str(path)
+
+
+def test_completion_tables_show_what_the_reward_saw(workdir):
+    records = metrics.read_jsonl(os.path.join(workdir, metrics.COMPLETIONS))
+    assert [r["step"] for r in records] == [1, 1, 2, 2]  # every step, two rows each
+    for r in records:  # USER_REWARD's verdicts, recomputed from the logged response
+        assert r["score"] == 0.25 and r["pred"] == r["response"][-3:]
+        assert r["acc"] == (len(r["response"]) % 2 == 0)
+        assert r["prompt"] and r["ground_truth"] and r["length"] >= 1
+    for step in (1, 2):  # the first response of two different groups
+        assert len({r["problem_id"] for r in records if r["step"] == step}) == 2
 
 
 @pytest.mark.skipif(not HAVE_WANDB, reason="wandb is not installed (pip install -e .[tracking])")
