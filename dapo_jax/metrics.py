@@ -117,8 +117,7 @@ class MetricsWriter:
         names = parse_writers(writers)
         root = paths.run_path(workdir)
         root.mkdir(parents=True, exist_ok=True)
-        self.path = root / JSONL
-        self._jsonl = _JsonlLog(self.path, resume_step)
+        self._jsonl = _JsonlLog(root / JSONL, resume_step)
         self._completions = _JsonlLog(root / COMPLETIONS, resume_step)
         purge = None if resume_step is None else resume_step + 1
         paths.tensorboard_writers()
