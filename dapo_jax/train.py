@@ -122,6 +122,14 @@ def _rollout(
     )
 
 
+def _sampler_logp(batch: TrainBatch, width: int) -> np.ndarray:
+    """`logp_BxT` of the sampler aligned with `_rollout`'s tokens of width T: 0 over the prompt
+    columns, the sampler's log-probs over the T - Q response ones."""
+    rows = batch.rows
+    prompt_BxQ = np.zeros(rows.prompt_tokens_BxQ.shape, np.float32)
+    return np.concatenate([prompt_BxQ, rows.logp_BxN[:, : width - prompt_BxQ.shape[1]]], axis=1)
+
+
 def _to_device(x: np.ndarray, mesh):
     """A host array, identical on every process, as a global array sharded over the batch axes."""
     s = sharding.batch_sharding(mesh, x.ndim)
@@ -358,8 +366,8 @@ def _step(
     filt: dynamic_sampling.DynamicSampler,
     step: int,
 ) -> tuple[train_step.TrainState, dict, TrainBatch]:
-    """One DAPO step: sample and filter, advantages, log pi_old, the updates; (state, metrics,
-    the train batch)."""
+    """One DAPO step: sample and filter, advantages, log pi_old (recomputed, or the sampler's:
+    `loss.old_logp`), the updates; (state, metrics, the train batch)."""
     c = run.config
     t0 = time.time()
     batch, filter_stats = _sample_train_batch(run, state.params, prompts, filt, step)
@@ -367,7 +375,11 @@ def _step(
     host = _rollout(batch, c.rollout.group_size, c.loss.normalize_std, c.train.length_bucket)
     device = train_step.Rollout(*(_to_device(x, run.mesh) for x in host))
     t1 = time.time()
-    old_logp_BxT = run.logprobs_fn(state.params, device.tokens_BxT, device.mask_BxT)
+    recompute = c.loss.old_logp == "recompute"
+    if recompute:
+        old_logp_BxT = run.logprobs_fn(state.params, device.tokens_BxT, device.mask_BxT)
+    else:
+        old_logp_BxT = _to_device(_sampler_logp(batch, host.tokens_BxT.shape[1]), run.mesh)
     state, updates = train_step.train_on_rollout(
         run.train_step,
         run.logprobs_fn,
@@ -380,17 +392,25 @@ def _step(
     )
     updates = jax.device_get(updates)
     t_train = time.time() - t1
-    out = {
-        **_data_metrics(batch),
-        **filter_stats,
-        **_logp_agreement(
+    if recompute:
+        agreement = _logp_agreement(
             batch.rows.logp_BxN,
             batch.rows.prompt_tokens_BxQ.shape[1],
             sharding.to_host(old_logp_BxT),
             host.loss_mask_BxT,
             batch.carried_B,
-        ),
-        **{f"actor/{k}": float(np.mean([u[k] for u in updates])) for k in updates[0]},
+        )
+    else:  # the first update's params are the sampler's: its rows check the sampler
+        agreement = {f"rollout/{k}": float(updates[0][k]) for k in ("logp_diff_mean", "logp_diff_max")}
+    out = {
+        **_data_metrics(batch),
+        **filter_stats,
+        **agreement,
+        **{
+            f"actor/{k}": float(np.mean([u[k] for u in updates]))
+            for k in updates[0]
+            if not k.startswith("logp_diff")
+        },
     }
     out.update(
         {
