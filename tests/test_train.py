@@ -161,6 +161,29 @@ def test_nonfinite_updates_are_skipped_then_the_run_stops_with_a_checkpoint(tmp_
     assert checkpoint.Checkpointer(str(tmp_path)).latest_step() == 2  # the last good state
 
 
+@pytest.mark.slow
+def test_bfloat16_runs_end_to_end_with_the_detached_old_logp(tmp_path):
+    """Two steps of the tiny config in bf16 compute (sampler, prefill, decode and trainer) with one
+    update per rollout batch and pi_old the update's own detached log-probs: the updates are finite
+    and applied, r = 1 exactly, and the sampler is checked against the trainer (bf16 rounding)."""
+    config = small(
+        dapo.get_config("tiny"),
+        train__steps=2,
+        train__mini_batch_prompts=4,
+        train__micro_batch_size=8,
+        model__dtype="bfloat16",
+        loss__old_logp="detached",
+        checkpoint__every=10,
+    )
+    train.train(config, str(tmp_path))
+    records = metrics.read_jsonl(str(tmp_path / metrics.JSONL))
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert r["actor/skipped_updates"] == 0 and r["actor/update_norm"] > 0
+        assert r["actor/approx_kl_old"] == 0.0 and r["actor/pg_clipfrac_upper"] == 0.0
+        assert 0 < r["rollout/logp_diff_mean"] < 0.1 and r["rollout/logp_diff_max"] < 1.0
+
+
 def test_logp_agreement_measures_carried_groups_apart():
     """Rows 0-1 (a carried group) were sampled before the last update; rows 2-3 now. Prompt
     columns and masked response tokens never count."""
