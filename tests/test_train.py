@@ -234,6 +234,21 @@ def test_rollout_masks_filtered_and_missing_rows_and_cuts_to_the_length_bucket()
     np.testing.assert_array_equal(got.mask_BxT[1], [1, 1, 1, 1, 1, 1, 0])
     np.testing.assert_array_equal(got.loss_mask_BxT, [[0, 0, 0, 1, 1, 0, 0]] + [[0] * 7] * 3)
     np.testing.assert_array_equal(got.adv_B, [1.0, -1.0, 0.0, 0.0])  # R - mean; none if missing
+    # Prompts of 1-3 tokens left-padded to Q = 6: the 3 leading columns are padding in every row,
+    # cut to 4 columns (length_bucket 2); the sampler's log-probs follow the same columns.
+    prompt_mask_BxQ = np.arange(6) >= np.array([[3], [5], [4], [6]])
+    rows = dataclasses.replace(
+        rows,
+        prompt_tokens_BxQ=np.where(prompt_mask_BxQ, 7, 0).astype(np.int32),
+        prompt_mask_BxQ=prompt_mask_BxQ,
+    )
+    batch = dataclasses.replace(batch, rows=dataclasses.replace(rows, logp_BxN=np.arange(24.0).reshape(4, 6)))
+    got = train._rollout(batch, group_size=2, normalize_std=False, length_bucket=2)
+    assert train._prompt_width(batch, 2) == 4
+    np.testing.assert_array_equal(got.tokens_BxT[0], [0, 7, 7, 7, 5, 5, 0, 0])
+    np.testing.assert_array_equal(got.mask_BxT[1], [0, 0, 0, 1, 1, 1, 1, 0])
+    np.testing.assert_array_equal(got.loss_mask_BxT[0], [0, 0, 0, 0, 1, 1, 0, 0])
+    np.testing.assert_array_equal(train._sampler_logp(batch, 4, 8)[1], [0, 0, 0, 0, 6, 7, 8, 9])
 
 
 def test_data_metrics_count_valid_rows_only():
