@@ -22,6 +22,7 @@ def dapo_loss() -> ml_collections.ConfigDict:
             beta=0.0,  # β, k3 KL to the reference policy (DAPO: none)
             entropy_coef=0.0,  # entropy bonus coefficient (entropy is logged always)
             normalize_std=True,  # A_i = (R_i - mean) / (std + 1e-6); False = Dr.GRPO
+            old_logp="recompute",  # log pi_old: "recompute" (recipe), "sampler" or "detached" (1 update)
         )
     )
 

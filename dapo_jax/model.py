@@ -172,7 +172,9 @@ def grouped_attention(q_BxTxKxGxH, keys, v_BxKxSxH, attn_BxTxS, dtype):
 
     `keys` are `kT_BxKxHxS`, or cached key tiles `k_BxKxCxHxT` for a single query (T = 1, a decode
     step), which is written as broadcast multiplies and sums: as dots they become B x K tiny matrix
-    products, which XLA:CPU ran several times slower."""
+    products, which XLA:CPU ran several times slower. Multi-token attention is two 3-d batched dots
+    over R = B x K rows of M = G x T queries (`q_RxMxH`): XLA:CPU has no kernel for a bf16 dot with
+    f32 accumulation and two batch dimensions (the 5-d einsum), and runs the 3-d one."""
     b, t, k, g, h = q_BxTxKxGxH.shape
     scale = 1.0 / math.sqrt(h)
     if keys.ndim == 5:
@@ -180,15 +182,18 @@ def grouped_attention(q_BxTxKxGxH, keys, v_BxKxSxH, attn_BxTxS, dtype):
         scores = jnp.sum(q_BxKxGx1xHx1 * keys[:, :, None].astype(jnp.float32), -2) * scale
         scores_BxKxGxTxS = scores.reshape(b, k, g, 1, -1)
     else:
-        scores_BxKxGxTxS = (
-            jnp.einsum("btkgh,bkhs->bkgts", q_BxTxKxGxH, keys, preferred_element_type=jnp.float32) * scale
-        )
+        q_RxMxH = q_BxTxKxGxH.transpose(0, 2, 3, 1, 4).reshape(b * k, g * t, h)
+        kT_RxHxS = keys.reshape(b * k, h, -1)
+        scores_RxMxS = jnp.einsum("rmh,rhs->rms", q_RxMxH, kT_RxHxS, preferred_element_type=jnp.float32)
+        scores_BxKxGxTxS = scores_RxMxS.reshape(b, k, g, t, -1) * scale
     scores = jnp.where(attn_BxTxS[:, None, None], scores_BxKxGxTxS, _NEG_INF)
     probs_BxKxGxTxS = jax.nn.softmax(scores, axis=-1).astype(dtype)
     if keys.ndim == 5:
         out_BxKxGxH = jnp.sum(probs_BxKxGxTxS[:, :, :, 0, :, None] * v_BxKxSxH[:, :, None], -2)
         return out_BxKxGxH[:, None]
-    return jnp.einsum("bkgts,bksh->btkgh", probs_BxKxGxTxS, v_BxKxSxH)
+    probs_RxMxS = probs_BxKxGxTxS.reshape(b * k, g * t, -1)
+    out_RxMxH = jnp.einsum("rms,rsh->rmh", probs_RxMxS, v_BxKxSxH.reshape(b * k, -1, h))
+    return out_RxMxH.reshape(b, k, g, t, h).transpose(0, 3, 1, 2, 4)
 
 
 def chunked_attention(q_BxTxKxGxH, keys, v_BxKxSxH, attn_BxTxS, dtype, chunk: int):

@@ -189,6 +189,14 @@ def policy_loss_sum(
     return loss, metrics
 
 
+def logp_diff(logp_BxT, other_logp_BxT, mask_BxT, denom: Denominators):
+    """`(sum, max)` of |logp - other_logp| over the masked tokens, the sum / denom.tokens: these
+    rows' share of the mini-batch's mean difference, and their largest (0 without a token)."""
+    on_BxT = jnp.asarray(mask_BxT, bool)
+    d_BxT = jnp.where(on_BxT, jnp.abs(logp_BxT - other_logp_BxT), 0.0)
+    return jnp.sum(d_BxT) / denom.tokens, jnp.max(d_BxT, initial=0.0)
+
+
 def policy_loss(
     logp_BxT,
     old_logp_BxT,

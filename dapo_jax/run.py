@@ -153,6 +153,7 @@ def check_config(c: ml_collections.ConfigDict) -> None:
             f"model.remat_policy {c.model.remat_policy!r} is not a "
             "jax.checkpoint_policies name (e.g. nothing_saveable)"
         )
+    _check_old_logp(c)
     if c.loss.agg_mode not in objective.AGG_MODES:
         raise ConfigError(f"loss.agg_mode {c.loss.agg_mode!r} is not one of {objective.AGG_MODES}")
     for section, make in (
@@ -174,6 +175,26 @@ def check_config(c: ml_collections.ConfigDict) -> None:
         raise ConfigError(
             f"a mini-batch of {t.mini_batch_prompts} x G={g} responses does not "
             f"split into micro-batches of train.micro_batch_size {t.micro_batch_size}"
+        )
+
+
+def _check_old_logp(c: ml_collections.ConfigDict) -> None:
+    """loss.old_logp is one of train_step.OLD_LOGP, and without a recompute pi_old is exact:
+    "detached" needs one update per rollout batch, and neither takes carried-over groups (sampled
+    under the params before the last update, so their sampler log-probs are not pi_old's)."""
+    mode = c.loss.old_logp
+    if mode not in train_step.OLD_LOGP:
+        raise ConfigError(f"loss.old_logp {mode!r} is not one of {train_step.OLD_LOGP}")
+    if mode == "detached" and c.train.train_batch_prompts != c.train.mini_batch_prompts:
+        raise ConfigError(
+            "loss.old_logp 'detached' needs one update per rollout batch (train.mini_batch_prompts "
+            f"= train.train_batch_prompts), got {c.train.train_batch_prompts // c.train.mini_batch_prompts} "
+            "updates: use 'recompute' or 'sampler'"
+        )
+    if mode != "recompute" and c.filter.carry_over:
+        raise ConfigError(
+            f"loss.old_logp {mode!r} with filter.carry_over: carried groups were sampled before the "
+            "last update, so pi_old of them must be recomputed: use loss.old_logp 'recompute'"
         )
 
 

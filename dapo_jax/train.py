@@ -100,26 +100,46 @@ _CHECKPOINT_DIR = flags.DEFINE_string(
 )
 
 
+def _prompt_width(batch: TrainBatch, length_bucket: int) -> int:
+    """The prompt columns the trainer keeps: the last ones, from the first column where a row has
+    a real token, rounded up to a multiple of `length_bucket` (at most Q). The columns cut are
+    padding in every row, so the loss and the gradient are unchanged."""
+    prompt_mask_BxQ = batch.rows.prompt_mask_BxQ
+    q = prompt_mask_BxQ.shape[1]
+    used = q - int(np.argmax(prompt_mask_BxQ.any(axis=0))) if prompt_mask_BxQ.any() else 0
+    return min(q, -(-used // length_bucket) * length_bucket)
+
+
 def _rollout(
     batch: TrainBatch, group_size: int, normalize_std: bool, length_bucket: int
 ) -> train_step.Rollout:
     """Host arrays of the train batch: prompt + response tokens, masks and advantages A_i.
 
-    Response columns past the longest response are cut, rounded up to a multiple of
-    `length_bucket`: the trainer then compiles at most N / length_bucket shapes and does not
-    spend its FLOPs on padding when responses are short."""
+    Response columns past the longest response, and prompt columns before the longest prompt,
+    are cut, each width rounded up to a multiple of `length_bucket`: the trainer then compiles
+    few shapes and does not spend its FLOPs on padding when prompts or responses are short."""
     rows, valid_B = batch.rows, batch.valid_B
     n = rows.tokens_BxN.shape[1]
     width = min(n, -(-max(int(rows.length_B.max()), 1) // length_bucket) * length_bucket)
+    q0 = rows.prompt_tokens_BxQ.shape[1] - _prompt_width(batch, length_bucket)
+    prompt_mask_BxQ = rows.prompt_mask_BxQ[:, q0:]
     response_mask_BxN = rows.mask_BxN[:, :width]
-    tokens_BxT = np.concatenate([rows.prompt_tokens_BxQ, rows.tokens_BxN[:, :width]], axis=1)
-    mask_BxT = np.concatenate([rows.prompt_mask_BxQ, response_mask_BxN], axis=1)
+    tokens_BxT = np.concatenate([rows.prompt_tokens_BxQ[:, q0:], rows.tokens_BxN[:, :width]], axis=1)
+    mask_BxT = np.concatenate([prompt_mask_BxQ, response_mask_BxN], axis=1)
     keep_BxN = response_mask_BxN & (valid_B & rows.loss_keep_B)[:, None]
-    loss_mask_BxT = np.concatenate([np.zeros_like(rows.prompt_mask_BxQ), keep_BxN], axis=1)
+    loss_mask_BxT = np.concatenate([np.zeros_like(prompt_mask_BxQ), keep_BxN], axis=1)
     adv_B = np.asarray(objective.group_advantages(rows.reward_B, group_size, normalize_std))
     return train_step.Rollout(
         tokens_BxT.astype(np.int32), mask_BxT, loss_mask_BxT, np.where(valid_B, adv_B, 0.0).astype(np.float32)
     )
+
+
+def _sampler_logp(batch: TrainBatch, prompt_width: int, width: int) -> np.ndarray:
+    """`logp_BxT` of the sampler aligned with `_rollout`'s tokens of width T: 0 over the
+    `prompt_width` prompt columns, the sampler's log-probs over the response ones."""
+    rows = batch.rows
+    prompt_BxQ = np.zeros((rows.logp_BxN.shape[0], prompt_width), np.float32)
+    return np.concatenate([prompt_BxQ, rows.logp_BxN[:, : width - prompt_width]], axis=1)
 
 
 def _to_device(x: np.ndarray, mesh):
@@ -358,16 +378,21 @@ def _step(
     filt: dynamic_sampling.DynamicSampler,
     step: int,
 ) -> tuple[train_step.TrainState, dict, TrainBatch]:
-    """One DAPO step: sample and filter, advantages, log pi_old, the updates; (state, metrics,
-    the train batch)."""
+    """One DAPO step: sample and filter, advantages, log pi_old (recomputed, or the sampler's:
+    `loss.old_logp`), the updates; (state, metrics, the train batch)."""
     c = run.config
     t0 = time.time()
     batch, filter_stats = _sample_train_batch(run, state.params, prompts, filt, step)
     t_rollout = time.time() - t0
     host = _rollout(batch, c.rollout.group_size, c.loss.normalize_std, c.train.length_bucket)
+    prompt_width = _prompt_width(batch, c.train.length_bucket)
     device = train_step.Rollout(*(_to_device(x, run.mesh) for x in host))
     t1 = time.time()
-    old_logp_BxT = run.logprobs_fn(state.params, device.tokens_BxT, device.mask_BxT)
+    recompute = c.loss.old_logp == "recompute"
+    if recompute:
+        old_logp_BxT = run.logprobs_fn(state.params, device.tokens_BxT, device.mask_BxT)
+    else:
+        old_logp_BxT = _to_device(_sampler_logp(batch, prompt_width, host.tokens_BxT.shape[1]), run.mesh)
     state, updates = train_step.train_on_rollout(
         run.train_step,
         run.logprobs_fn,
@@ -380,17 +405,25 @@ def _step(
     )
     updates = jax.device_get(updates)
     t_train = time.time() - t1
-    out = {
-        **_data_metrics(batch),
-        **filter_stats,
-        **_logp_agreement(
+    if recompute:
+        agreement = _logp_agreement(
             batch.rows.logp_BxN,
-            batch.rows.prompt_tokens_BxQ.shape[1],
+            prompt_width,
             sharding.to_host(old_logp_BxT),
             host.loss_mask_BxT,
             batch.carried_B,
-        ),
-        **{f"actor/{k}": float(np.mean([u[k] for u in updates])) for k in updates[0]},
+        )
+    else:  # the first update's params are the sampler's: its rows check the sampler
+        agreement = {f"rollout/{k}": float(updates[0][k]) for k in ("logp_diff_mean", "logp_diff_max")}
+    out = {
+        **_data_metrics(batch),
+        **filter_stats,
+        **agreement,
+        **{
+            f"actor/{k}": float(np.mean([u[k] for u in updates]))
+            for k in updates[0]
+            if not k.startswith("logp_diff")
+        },
     }
     out.update(
         {

@@ -27,6 +27,15 @@ import optax
 from dapo_jax import model as model_lib
 from dapo_jax import objective, sharding
 
+# Where log pi_old comes from. "recompute": a forward pass of the current params before the first
+# update (verl's recipe). "sampler": the sampler's log-probs (the same params; equal to ~1e-7 in
+# float32). "detached": the update's own log-probs under stop_gradient, so r = 1 exactly: only
+# for one update per rollout batch, where pi_old is the policy being updated (as TRL and Tunix).
+# Without "recompute", `Batch.old_logp_BxT` is the sampler's and the step measures the trainer
+# against it (metrics logp_diff_mean / _max), which the first update's params make the check that
+# the recompute pass made before.
+OLD_LOGP = ("recompute", "sampler", "detached")
+
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
@@ -40,6 +49,7 @@ class LossConfig:
     beta: float  # β, k3 KL to the reference (DAPO 0: no KL, no reference forward)
     entropy_coef: float  # entropy bonus coefficient (DAPO 0)
     temperature: float  # the rollout temperature; log-probs come from logits / temperature
+    old_logp: str = "recompute"  # where log pi_old comes from: one of OLD_LOGP
 
 
 class TrainState(NamedTuple):
@@ -64,7 +74,7 @@ class Batch(NamedTuple):
     mask_BxT: jax.Array
     loss_mask_BxT: jax.Array
     adv_B: jax.Array
-    old_logp_BxT: jax.Array  # log pi_old(o_{i,t})
+    old_logp_BxT: jax.Array  # log pi_old(o_{i,t}); with LossConfig.old_logp "detached", the sampler's
     ref_logp_BxT: jax.Array | None  # log pi_ref(o_{i,t}); None exactly when β = 0
 
 
@@ -235,15 +245,18 @@ def loss_and_grads(model, loss_cfg: LossConfig, params, batch: Batch, num_micro_
     gradient as one pass.
     """
     c = loss_cfg
+    if c.old_logp not in OLD_LOGP:
+        raise ValueError(f"unknown old_logp {c.old_logp!r}; use one of {OLD_LOGP}")
     denom = objective.denominators(batch.loss_mask_BxT, c.agg_mode, c.norm_const)
 
     def micro_loss(p, micro: Batch):
         logp_bxT, entropy_bxT = model_logp_and_entropy(
             model, p, micro.tokens_BxT, micro.mask_BxT, c.temperature
         )
-        return objective.policy_loss_sum(
+        detached = c.old_logp == "detached"
+        loss, metrics = objective.policy_loss_sum(
             logp_bxT,
-            micro.old_logp_BxT,
+            jax.lax.stop_gradient(logp_bxT) if detached else micro.old_logp_BxT,
             micro.adv_B,
             micro.loss_mask_BxT,
             denom,
@@ -256,6 +269,10 @@ def loss_and_grads(model, loss_cfg: LossConfig, params, batch: Batch, num_micro_
             entropy_BxT=entropy_bxT,
             entropy_coef=c.entropy_coef,
         )
+        if c.old_logp != "recompute":
+            diff = objective.logp_diff(logp_bxT, micro.old_logp_BxT, micro.loss_mask_BxT, denom)
+            metrics.update(logp_diff_mean=diff[0], logp_diff_max=diff[1])
+        return loss, metrics
 
     def body(grads, micro):
         (_, metrics), g = jax.value_and_grad(micro_loss, has_aux=True)(params, micro)
@@ -263,7 +280,7 @@ def loss_and_grads(model, loss_cfg: LossConfig, params, batch: Batch, num_micro_
 
     micros = jax.tree.map(functools.partial(_split_micro, n=num_micro_batches), batch)
     grads, metrics_N = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), micros)
-    metrics = {k: jnp.sum(v) for k, v in metrics_N.items()}
+    metrics = {k: jnp.max(v) if k.endswith("_max") else jnp.sum(v) for k, v in metrics_N.items()}
     metrics["loss_tokens"] = denom.tokens
     return grads, metrics
 
@@ -291,9 +308,11 @@ def make_train_step(model, optimizer, schedule, loss_cfg: LossConfig, mesh, num_
     """`train_step(state, batch) -> (state, metrics)`: one jit on `mesh`, the state donated.
 
     metrics (replicated scalars): loss, pg_loss, pg_clipfrac_upper / _lower / _dual, approx_kl_old,
-    kl_ref (β > 0), entropy, token_prob, loss_tokens, grad_norm (before clipping), update_norm,
-    learning_rate (of this update), skipped (1.0 when the loss or the gradient was not finite: the
-    params and optimizer state are then returned unchanged and `state.step` does not advance).
+    kl_ref (β > 0), entropy, token_prob, loss_tokens, logp_diff_mean / _max (unless old_logp is
+    "recompute": |log pi_θ - batch.old_logp_BxT| over the loss tokens), grad_norm (before
+    clipping), update_norm, learning_rate (of this update), skipped (1.0 when the loss or the
+    gradient was not finite: the params and optimizer state are then returned unchanged and
+    `state.step` does not advance).
     """
     state_sh = state_shardings(model, optimizer, mesh)
     step = functools.partial(_train_step, model, optimizer, schedule, loss_cfg, num_micro_batches)
@@ -347,7 +366,8 @@ def train_on_rollout(
     """k = `num_mini_batches` updates on contiguous slices of `rollout` (groups stay whole).
 
     log pi_old is computed once with the current params before the first update (so the first
-    update sees r = 1), unless the caller already did (`old_logp_BxT`); log pi_ref with
+    update sees r = 1), unless the caller already did or gives the sampler's (`old_logp_BxT`,
+    with LossConfig.old_logp "sampler" or "detached"); log pi_ref with
     `ref_params` only when they are given (exactly when β > 0).
     Returns `(state, [metrics of each update])`, metrics left on the device.
     """

@@ -81,6 +81,34 @@ def test_out_of_range_value_is_named(key, value, message):
     assert str(e.value) == message
 
 
+@pytest.mark.parametrize(
+    "settings,message",
+    [
+        (
+            {"loss.old_logp": "cached"},
+            "loss.old_logp 'cached' is not one of ('recompute', 'sampler', 'detached')",
+        ),
+        (
+            {"loss.old_logp": "detached"},  # tiny: 32 prompts in mini-batches of 8
+            "loss.old_logp 'detached' needs one update per rollout batch (train.mini_batch_prompts "
+            "= train.train_batch_prompts), got 4 updates: use 'recompute' or 'sampler'",
+        ),
+        (
+            {"loss.old_logp": "sampler", "filter.carry_over": True},
+            "loss.old_logp 'sampler' with filter.carry_over: carried groups were sampled before the "
+            "last update, so pi_old of them must be recomputed: use loss.old_logp 'recompute'",
+        ),
+    ],
+)
+def test_old_logp_without_a_recompute_must_be_exact(settings, message):
+    c = overrides.apply(dapo.get_config("tiny"), settings)
+    with pytest.raises(ConfigError) as e:
+        run.check_config(c)
+    assert str(e.value) == message
+    one_update = {"loss.old_logp": "detached", "train.mini_batch_prompts": 32, "train.micro_batch_size": 64}
+    run.check_config(overrides.apply(dapo.get_config("tiny"), one_update))
+
+
 def _bad_files(tmp):
     not_parquet = tmp / "notes.parquet"
     not_parquet.write_text("a,b\n1,2\n")

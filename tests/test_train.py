@@ -161,6 +161,29 @@ def test_nonfinite_updates_are_skipped_then_the_run_stops_with_a_checkpoint(tmp_
     assert checkpoint.Checkpointer(str(tmp_path)).latest_step() == 2  # the last good state
 
 
+@pytest.mark.slow
+def test_bfloat16_runs_end_to_end_with_the_detached_old_logp(tmp_path):
+    """Two steps of the tiny config in bf16 compute (sampler, prefill, decode and trainer) with one
+    update per rollout batch and pi_old the update's own detached log-probs: the updates are finite
+    and applied, r = 1 exactly, and the sampler is checked against the trainer (bf16 rounding)."""
+    config = small(
+        dapo.get_config("tiny"),
+        train__steps=2,
+        train__mini_batch_prompts=4,
+        train__micro_batch_size=8,
+        model__dtype="bfloat16",
+        loss__old_logp="detached",
+        checkpoint__every=10,
+    )
+    train.train(config, str(tmp_path))
+    records = metrics.read_jsonl(str(tmp_path / metrics.JSONL))
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert r["actor/skipped_updates"] == 0 and r["actor/update_norm"] > 0
+        assert r["actor/approx_kl_old"] == 0.0 and r["actor/pg_clipfrac_upper"] == 0.0
+        assert 0 < r["rollout/logp_diff_mean"] < 0.1 and r["rollout/logp_diff_max"] < 1.0
+
+
 def test_logp_agreement_measures_carried_groups_apart():
     """Rows 0-1 (a carried group) were sampled before the last update; rows 2-3 now. Prompt
     columns and masked response tokens never count."""
@@ -211,6 +234,21 @@ def test_rollout_masks_filtered_and_missing_rows_and_cuts_to_the_length_bucket()
     np.testing.assert_array_equal(got.mask_BxT[1], [1, 1, 1, 1, 1, 1, 0])
     np.testing.assert_array_equal(got.loss_mask_BxT, [[0, 0, 0, 1, 1, 0, 0]] + [[0] * 7] * 3)
     np.testing.assert_array_equal(got.adv_B, [1.0, -1.0, 0.0, 0.0])  # R - mean; none if missing
+    # Prompts of 1-3 tokens left-padded to Q = 6: the 3 leading columns are padding in every row,
+    # cut to 4 columns (length_bucket 2); the sampler's log-probs follow the same columns.
+    prompt_mask_BxQ = np.arange(6) >= np.array([[3], [5], [4], [6]])
+    rows = dataclasses.replace(
+        rows,
+        prompt_tokens_BxQ=np.where(prompt_mask_BxQ, 7, 0).astype(np.int32),
+        prompt_mask_BxQ=prompt_mask_BxQ,
+    )
+    batch = dataclasses.replace(batch, rows=dataclasses.replace(rows, logp_BxN=np.arange(24.0).reshape(4, 6)))
+    got = train._rollout(batch, group_size=2, normalize_std=False, length_bucket=2)
+    assert train._prompt_width(batch, 2) == 4
+    np.testing.assert_array_equal(got.tokens_BxT[0], [0, 7, 7, 7, 5, 5, 0, 0])
+    np.testing.assert_array_equal(got.mask_BxT[1], [0, 0, 0, 1, 1, 1, 1, 0])
+    np.testing.assert_array_equal(got.loss_mask_BxT[0], [0, 0, 0, 0, 1, 1, 0, 0])
+    np.testing.assert_array_equal(train._sampler_logp(batch, 4, 8)[1], [0, 0, 0, 0, 6, 7, 8, 9])
 
 
 def test_data_metrics_count_valid_rows_only():

@@ -1,5 +1,6 @@
 """The compiled step: accumulation invariance, sharded == single device, NaN guard, k updates."""
 
+import dataclasses
 import functools
 
 import jax
@@ -108,6 +109,32 @@ def test_gradient_accumulation_is_invariant(agg_mode):
         beta=0.1,
     )
     np.testing.assert_allclose(m1["loss"], loss, rtol=1e-5)
+
+
+def test_detached_old_logp_is_the_recomputed_one_and_measures_the_sampler():
+    # One update per rollout: pi_old = pi_theta, so "detached" (r = 1 under stop_gradient) must
+    # give the gradient of "recompute" with the recomputed log-probs, and reports its distance to
+    # the given (sampler's) log-probs: here the recomputed ones plus a known offset per token.
+    params = init(single_mesh())
+    batch = single_device_batch()
+    r = rollout()
+    logprobs = functools.partial(ts.compute_logprobs, MODEL, temperature=0.7, num_micro_batches=1)
+    logp = np.asarray(jax.jit(logprobs, compiler_options=FAST_COMPILE)(params, r.tokens_BxT, r.mask_BxT))
+    offset = np.random.default_rng(5).uniform(-0.5, 0.5, logp.shape).astype(np.float32)
+    grads_of = lambda mode, old, n: jax.jit(
+        functools.partial(ts.loss_and_grads, MODEL, dataclasses.replace(loss_cfg(), old_logp=mode)),
+        static_argnums=2,
+        compiler_options=FAST_COMPILE,
+    )(params, batch._replace(old_logp_BxT=old), n)
+    g_ref, m_ref = grads_of("recompute", logp, 1)
+    assert "logp_diff_mean" not in m_ref and abs(m_ref["approx_kl_old"]) < 1e-6
+    g_det, m_det = grads_of("detached", logp + offset, 2)
+    flat = lambda g: np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)])
+    np.testing.assert_allclose(flat(g_det), flat(g_ref), rtol=0, atol=1e-5 * np.abs(flat(g_ref)).max())
+    assert m_det["approx_kl_old"] == 0.0 and m_det["pg_clipfrac_upper"] == 0.0
+    on = np.asarray(r.loss_mask_BxT)
+    np.testing.assert_allclose(m_det["logp_diff_mean"], np.abs(offset[on]).mean(), rtol=1e-4)
+    np.testing.assert_allclose(m_det["logp_diff_max"], np.abs(offset[on]).max(), rtol=1e-4)
 
 
 @functools.cache  # one compilation per setting, shared by the tests

@@ -1,0 +1,156 @@
+"""The RL update of the reference workload, before and after each change of issue 18, one process.
+
+    PYTHONPATH=. python experiments/bench_update.py [--reps 5] [--variants base,detached,...]
+
+Workload: the peer benchmark's random Qwen2 of 1.01M parameters (hidden 128, 5 layers, 4 query
+and 2 KV heads of 32, MLP 384, 128-token vocabulary, q/k/v bias, untied head), 8 prompts x G = 8
+= 64 rows, left-padded prompts of 20-32 tokens in 32 columns, responses of 1-64 tokens (uniform)
+in 64 columns: T = 96. One update = log pi_old (when recomputed) + one jitted, donated AdamW step.
+Each variant toggles one setting against `base` (recompute, float32, 1 micro-batch):
+    detached   loss.old_logp "detached": no log pi_old forward pass (one update per rollout batch)
+    sampler    loss.old_logp "sampler": the same, the sampler's log-probs given instead
+    micro2/4   2 or 4 micro-batches of the gradient accumulation scan
+    bf16       model.dtype bfloat16 (f32 accumulation, f32 params and optimizer)
+    best       detached + 2 micro-batches + bf16
+Variants run in turn, `--reps` rounds, and the medians are printed (so that the noise of a
+shared machine falls on all of them alike), with the achieved rate of the forward + backward
+FLOPs (6 * N_matmul * tokens + the attention's 12 * L * H * Q * T * tokens, plus a third of
+that for a recomputed log pi_old) against the best rate
+of this machine's f32 and bf16 dots at the model's own shape (6144 x 128 @ 128 x 384), measured
+in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dapo_jax import model, sharding
+from dapo_jax import train_step as ts
+
+CFG = model.ModelConfig(
+    vocab_size=128,
+    hidden_size=128,
+    intermediate_size=384,
+    num_layers=5,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    qkv_bias=True,
+    dtype="float32",
+)
+ROWS, PROMPT, RESPONSE = 64, 32, 64
+VARIANTS = {  # name: (old_logp, dtype, micro-batches)
+    "base": ("recompute", "float32", 1),
+    "detached": ("detached", "float32", 1),
+    "sampler": ("sampler", "float32", 1),
+    "micro2": ("recompute", "float32", 2),
+    "micro4": ("recompute", "float32", 4),
+    "bf16": ("recompute", "bfloat16", 1),
+    "best": ("detached", "bfloat16", 2),
+}
+
+
+def workload(seed: int = 0) -> ts.Rollout:
+    """64 rows: prompts of 20-32 tokens left-padded to 32, responses of 1-64 tokens right-padded."""
+    rng = np.random.default_rng(seed)
+    t = PROMPT + RESPONSE
+    prompt_B, response_B = rng.integers(20, PROMPT + 1, ROWS), rng.integers(1, RESPONSE + 1, ROWS)
+    pos = np.arange(t)[None]
+    mask = (pos >= PROMPT - prompt_B[:, None]) & (pos < PROMPT + response_B[:, None])
+    tokens = np.where(mask, rng.integers(1, CFG.vocab_size, (ROWS, t)), 0).astype(np.int32)
+    adv = rng.choice([-1.0, 1.0], ROWS).astype(np.float32)
+    return ts.Rollout(tokens, mask, mask & (pos >= PROMPT), adv)
+
+
+def dot_rate(dtype, reps: int) -> float:
+    """Best FLOP/s of the model's typical dot, [6144, 128] @ [128, 384], f32 accumulation."""
+    a = jnp.ones((ROWS * (PROMPT + RESPONSE), CFG.hidden_size), dtype)
+    b = jnp.ones((CFG.hidden_size, CFG.intermediate_size), dtype)
+    f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+    f(a, b).block_until_ready()
+    best = min(_timed(lambda: f(a, b)) for _ in range(reps))
+    return 2 * a.shape[0] * a.shape[1] * b.shape[1] / best
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - t
+
+
+def make_update(old_logp: str, dtype: str, micro: int, mesh):
+    """`update(state, rollout, sampler_logp) -> (state, metrics)`: log pi_old then one step."""
+    m = model.Transformer(dataclasses.replace(CFG, dtype=dtype))
+    schedule = ts.learning_rate_schedule(1e-6, 0, "constant")
+    opt = ts.make_optimizer(schedule, weight_decay=0.1, max_grad_norm=1.0)
+    loss_cfg = ts.LossConfig(0.2, 0.28, 10.0, "token-mean", None, 0.0, 0.0, 1.0, old_logp)
+    step = ts.make_train_step(m, opt, schedule, loss_cfg, mesh, micro)
+    logprobs = ts.make_compute_logprobs(m, mesh, 1.0, micro)
+    state = ts.init_train_state(m, opt, mesh, sharding.init_params(m, mesh, jax.random.key(0)))
+
+    def update(state, rollout, sampler_logp):
+        old = (
+            logprobs(state.params, rollout.tokens_BxT, rollout.mask_BxT) if old_logp == "recompute" else None
+        )
+        state, metrics = ts.train_on_rollout(
+            step, logprobs, mesh, state, rollout, 1, None, sampler_logp if old is None else old
+        )
+        return state, metrics
+
+    return state, update
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    args = parser.parse_args()
+    names = args.variants.split(",")
+    mesh = sharding.make_mesh({"data": -1}, devices=jax.devices()[:1])
+    rollout = workload()
+    sampler_logp = np.zeros(rollout.tokens_BxT.shape, np.float32)  # the "sampler"'s: a stand-in
+    runs = {}
+    for name in names:
+        state, update = make_update(*VARIANTS[name], mesh)
+        state, _ = update(state, rollout, sampler_logp)  # compile
+        runs[name] = [state, update, []]
+    for _ in range(args.reps):
+        for name in names:
+            run = runs[name]
+            t = time.perf_counter()
+            run[0], metrics = run[1](run[0], rollout, sampler_logp)
+            jax.block_until_ready(metrics)
+            run[2].append(time.perf_counter() - t)
+    rates = {d: dot_rate(d, 5) for d in (jnp.float32, jnp.bfloat16)}
+    tokens = rollout.tokens_BxT.size
+    n_matmul = CFG.num_params() - CFG.vocab_size * CFG.hidden_size
+    t = PROMPT + RESPONSE
+    flops = 6 * n_matmul * tokens + 12 * CFG.num_layers * CFG.num_heads * CFG.head_dim * t * tokens
+    print(
+        f"backend {jax.default_backend()}: {ROWS} rows x T {t}, {tokens} tokens, "
+        f"{int(rollout.loss_mask_BxT.sum())} loss tokens, {int(rollout.mask_BxT.sum())} real"
+    )
+    print(
+        f"fwd + bwd FLOPs {flops / 1e9:.1f} G; dot rate f32 {rates[jnp.float32] / 1e9:.1f} "
+        f"GFLOP/s, bf16 {rates[jnp.bfloat16] / 1e9:.1f} GFLOP/s (6144x128 @ 128x384, best of 5)"
+    )
+    base = np.median(runs[names[0]][2])
+    for name in names:
+        old_logp, dtype, micro = VARIANTS[name]
+        med = float(np.median(runs[name][2]))
+        rate = rates[jnp.bfloat16 if dtype == "bfloat16" else jnp.float32]
+        floor = flops * (4 / 3 if old_logp == "recompute" else 1) / rate
+        print(
+            f"{name:9s} old_logp {old_logp:9s} {dtype:8s} micro {micro}: update {med:.3f} s "
+            f"(x{base / med:.2f} of {names[0]}), roofline {floor:.3f} s = {floor / med:.0%}"
+        )
+
+
+if __name__ == "__main__":
+    main()
