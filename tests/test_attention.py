@@ -49,6 +49,7 @@ def test_chunked_equals_whole(params):
     assert max(float(np.abs(g).max()) for g in jax.tree.leaves(grads[0])) > 1e-2  # not all ~0
 
 
+@pytest.mark.slow
 def test_chunks_bound_the_scores_memory(params):
     tokens, mask = np.ones((2, 512), np.int32), np.ones((2, 512), bool)
     temp = {

@@ -96,6 +96,7 @@ def test_round_trip_loads_in_transformers(qwen2_dir, tmp_path):
     np.testing.assert_allclose(reloaded[mask], expected[mask], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_remat_changes_memory_not_maths(qwen2_dir):
     """In the scanned layout (the large configs'), remat keeps each layer's input, not its
     residuals: the compiled backward's temporaries shrink (about 2.3x at this shape) and the
