@@ -36,6 +36,7 @@ def _loss(m, tokens, mask):
     return lambda p: (model.forward(m, p, tokens, mask)[..., :7] * mask[..., None]).sum()
 
 
+@pytest.mark.slow
 def test_chunked_equals_whole(params):
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, 96, (3, 20)).astype(np.int32)

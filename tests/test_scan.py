@@ -33,7 +33,8 @@ def _close(a, b, tol=1e-5):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("fixture", ["qwen2_dir", pytest.param("qwen3_dir", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("fixture", ["qwen2_dir", "qwen3_dir"])
 def test_scanned_logits_and_gradients_equal_unrolled(fixture, request, single):
     model_dir = request.getfixturevalue(fixture)
     unrolled, scanned = _models(model_dir)
@@ -107,6 +108,7 @@ def _head_case(vocab=512, d=16, b=2, t=64):
     return cfg, params, x_BxTxD, targets_BxT
 
 
+@pytest.mark.slow
 def test_chunked_logp_entropy_and_gradients_equal_unchunked():
     cfg, params, x_BxTxD, targets_BxT = _head_case(t=37)  # 37 tokens: a ragged last chunk
     logits_BxTxV = x_BxTxD @ params["lm_head"]["kernel"]

@@ -155,6 +155,7 @@ def test_sharded_step_equals_single_device():
     assert moved > 1e-3  # the step did change the parameters
 
 
+@pytest.mark.slow
 def test_non_finite_loss_skips_the_update():
     mesh = single_mesh()
     params = init(mesh)
