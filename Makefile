@@ -1,8 +1,7 @@
 # Quick start: `make demo` runs the main job, `make test` runs the tests (CI: the full suite,
 # lint and format checks first), `make test-fast` the edit loop's tier (no test marked slow:
 # the maths, rewards, data, filter, model parity and one rollout-and-update smoke check; its
-# budget is 2 minutes on 2 CPU cores). Both print
-# their slowest tests. All create .venv first.
+# budget is 2 minutes on 2 CPU cores). Both print their slowest tests. All create .venv first.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
