@@ -65,9 +65,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _env(devices: int) -> dict:
+    """The processes' environment: `devices` CPU devices each and no compilation cache shared
+    with the test session (conftest.py): a process that loads its programs from the cache can
+    reach the first collective long before one that compiles them, past gloo's 30 s rendezvous."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    return {**env, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+
+
 def _run_together(commands: list[list[str]], devices: int, timeout: int = 600) -> None:
     """Run the commands at once as processes with `devices` CPU devices each; all must succeed."""
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    env = _env(devices)
     procs = [
         subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for cmd in commands
@@ -151,7 +159,7 @@ def reference(tmp_path_factory):
 
 def _start(commands, tmp_path, name):
     """Start the commands with two CPU devices each, output in tmp_path/name-i.log."""
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}"}
+    env = _env(DEVICES_PER_PROCESS)
     logs = [open(tmp_path / f"{name}-{i}.log", "w") for i in range(len(commands))]
     return [
         subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
