@@ -1,10 +1,22 @@
-"""Test-wide setup: eight fake CPU devices (set before jax is imported) and tiny HF reference models."""
+"""Test-wide setup: eight fake CPU devices (set before jax is imported), one compilation cache
+per session, and tiny HF reference models."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
+# A persistent XLA compilation cache for this session only, inherited by the processes the tests
+# start: the tiny config's programs, compiled again by every run, resume and subprocess (a new
+# jit each time), compile once. A fresh folder per session, so no entry outlives it.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _XLA_CACHE = tempfile.mkdtemp(prefix="dapo-jax-tests-xla-")
+    atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 

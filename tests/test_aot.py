@@ -26,6 +26,7 @@ def _aot(*flags):
     )
 
 
+@pytest.mark.slow
 def test_tiny_programs_compile_and_fit():
     out = _aot()
     assert out.returncode == 0, out.stderr[-2000:]
@@ -41,6 +42,7 @@ def test_tiny_programs_compile_and_fit():
     assert all(r["hbm_bytes_per_token"] > 0 and r["kv_cache_gib"] > 0 for r in layouts.values())
 
 
+@pytest.mark.slow
 def test_too_small_memory_is_one_line():
     out = _aot("--hbm_gib=0.001", "--programs=logprobs")
     assert out.returncode == 1

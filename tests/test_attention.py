@@ -36,6 +36,7 @@ def _loss(m, tokens, mask):
     return lambda p: (model.forward(m, p, tokens, mask)[..., :7] * mask[..., None]).sum()
 
 
+@pytest.mark.slow
 def test_chunked_equals_whole(params):
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, 96, (3, 20)).astype(np.int32)
@@ -49,6 +50,7 @@ def test_chunked_equals_whole(params):
     assert max(float(np.abs(g).max()) for g in jax.tree.leaves(grads[0])) > 1e-2  # not all ~0
 
 
+@pytest.mark.slow
 def test_chunks_bound_the_scores_memory(params):
     tokens, mask = np.ones((2, 512), np.int32), np.ones((2, 512), bool)
     temp = {

@@ -62,13 +62,27 @@ def test_grpo_is_the_baseline_and_the_ablations_first_row(variant):
 
 @pytest.mark.parametrize("variant", sorted(dapo.VARIANTS))
 def test_ablation_rows_are_cumulative_and_end_at_dapo(variant):
-    rows = [ablation.get_config(f"{row},{variant}") for row in ablation.ROW_NAMES]
-    assert [r.reward.overlong_filter for r in rows] == [False, True, True, False, False, False]
-    assert [r.loss.eps_high for r in rows] == [0.2, 0.2] + [0.28] * 4
-    assert [r.reward.overlong_penalty for r in rows] == [False] * 3 + [True] * 3
-    assert [r.loss.agg_mode == "token-mean" for r in rows] == [False] * 4 + [True] * 2
-    assert [r.filter.enable for r in rows] == [False] * 5 + [True]
-    assert flat(rows[-1]) == flat(dapo.get_config(variant))
+    """Whole configs: each row equals the row above except in the keys the paper's row adds (the
+    table's order: naive GRPO, + overlong filtering, + Clip-Higher, + soft overlong punishment
+    in place of the filter, + token-level loss, + dynamic sampling at DAPO's filter sizes)."""
+    ref = flat(dapo.get_config(variant))
+    adds = [
+        {"reward.overlong_filter": True},
+        {"loss.eps_high": 0.28},
+        {"reward.overlong_penalty": True, "reward.overlong_filter": False},
+        {"loss.agg_mode": "token-mean"},
+        {
+            "filter.enable": True,
+            "filter.gen_batch_prompts": ref["filter.gen_batch_prompts"],
+            "filter.max_num_gen_batches": ref["filter.max_num_gen_batches"],
+        },
+    ]
+    rows = [flat(ablation.get_config(f"{row},{variant}")) for row in ablation.ROW_NAMES]
+    assert len(rows) == len(adds) + 1
+    for above, row, added in zip(rows, rows[1:], adds):
+        assert row == {**above, **added}
+        assert all(above[k] != v for k, v in added.items())  # each added key changes its value
+    assert rows[-1] == ref  # (rows[0] is naive GRPO: the test above)
 
 
 def test_unknown_ablation_row_lists_the_valid_ones():
@@ -92,15 +106,16 @@ def test_warm_up_counts_rollout_steps_and_the_first_update_learns():
 # every other config (the ablation rows, configs/dapo.py's and configs/grpo.py's other variants)
 # is one of these with other values: Clip-Higher and the soft overlong penalty change numbers
 # only, and overlong filtering is the host mask pinned in test_train.py.
-#   dapo:    dynamic sampling over several generation batches, token-mean, shaped rewards;
-#   grpo:    no filter (one generation batch, all-equal groups kept), seq-mean-token-mean;
-#   grpo_kl: β > 0, the reference model loaded and its log-probs in the loss.
+#   dapo:    dynamic sampling over several generation batches, token-mean, shaped rewards, no
+#            reference model (β = 0);
+#   grpo_kl: configs/grpo.py with β > 0: no filter (one generation batch, all-equal groups
+#            kept), seq-mean-token-mean, the reference model loaded and its log-probs in the loss.
+# (configs/grpo.py at β = 0 adds no path: its reference-free loss is dapo's.)
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name,config",
     [
         ("dapo", lambda: dapo.get_config("tiny")),
-        ("grpo", lambda: grpo.get_config("tiny")),
         (
             "grpo_kl",
             lambda: small(
@@ -113,10 +128,10 @@ def test_small_variant_runs_one_step(name, config, tmp_path):
     summary = train.train(small(config()), str(tmp_path))
     assert summary["actor/skipped_updates"] == 0
     assert math.isfinite(summary["actor/pg_loss"]) and summary["actor/grad_norm"] > 0
-    if name.startswith("grpo"):
-        assert summary["dynamic_sampling/gen_batches"] == 1
     if name == "grpo_kl":
-        assert summary["actor/kl_ref"] >= 0
+        assert summary["dynamic_sampling/gen_batches"] == 1 and summary["actor/kl_ref"] >= 0
+    else:
+        assert "actor/kl_ref" not in summary
     records = metrics.read_jsonl(str(tmp_path / "metrics.jsonl"))
     assert [r["step"] for r in records] == [1]
     assert (tmp_path / "export" / "model.safetensors").exists()

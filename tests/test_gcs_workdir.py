@@ -70,6 +70,7 @@ def test_upload_tree_copies_a_local_folder(fake_gcs, tmp_path):
     assert fake_gcs[f"{URL}/export/sub/b.bin"].getvalue() == b"\0" * 10
 
 
+@pytest.mark.slow
 def test_a_tiny_run_in_a_gs_workdir_writes_and_reads_back_through_the_path_layer(
     fake_gcs, tmp_path, monkeypatch
 ):

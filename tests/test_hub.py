@@ -93,6 +93,7 @@ def test_an_unknown_hub_id_offline_is_one_line_naming_it(cache):
     assert hub.resolve_data("data/missing.parquet") == ["data/missing.parquet"]  # a local path
 
 
+@pytest.mark.slow
 def test_the_training_command_names_an_unknown_hub_id(cache, tmp_path):
     out = subprocess.run(
         [
@@ -123,6 +124,7 @@ def _row(problem, answer, index):
     }
 
 
+@pytest.mark.slow
 def test_prepare_data_deduplicates_from_a_hub_id_or_a_local_copy(cache, tmp_path):
     rows = [
         _row("1+1?", "2", 0),

@@ -272,6 +272,7 @@ def no_tokenizer(folder):
     os.remove(os.path.join(folder, "tokenizer.json"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "damage,says",
     [

@@ -52,6 +52,7 @@ def test_qwen3_export_round_trips_through_transformers(qwen3_dir, tmp_path):
     np.testing.assert_allclose(reloaded[mask], expected[mask], atol=1e-5)
 
 
+# The fast tier's end-to-end smoke check: rollouts, the trainer's log-probs of them, one update.
 def test_qwen3_greedy_rollouts_and_a_train_step_on_a_sharded_mesh(qwen3_dir):
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     m = model.Transformer(hf_io.config_from_hf(hf_io.read_hf_config(qwen3_dir), dtype="float32"))

@@ -132,6 +132,7 @@ def test_logp_equals_trainer_recompute_with_truncation(qwen2, single):
     assert np.all(length[~ended] == cfg.max_new_tokens)
 
 
+@pytest.mark.slow
 def test_no_recompilation_within_buckets(qwen2, single):
     m, params = qwen2
     s = sampler.Sampler(m, _config(max_new_tokens=4), single)
@@ -149,6 +150,7 @@ def test_no_recompilation_within_buckets(qwen2, single):
         s.generate(params, *(x[:, ::-1] for x in _prompts([5, 3], 8)), 2, key)
 
 
+@pytest.mark.slow
 def test_reproducible_and_independent_of_batch_composition(qwen2, single):
     m, params = qwen2
     s = sampler.Sampler(m, _config(max_new_tokens=12), single)
@@ -165,6 +167,7 @@ def test_reproducible_and_independent_of_batch_composition(qwen2, single):
     assert not np.array_equal(tokens([a, b], [0, 1], jax.random.key(12))[:3], ab[:3])
 
 
+@pytest.mark.slow
 def test_sharded_equals_single_device(qwen2_dir, qwen2, single):
     m, params = qwen2
     cfg = _config(max_new_tokens=8, greedy=True, temperature=0.9)
@@ -201,6 +204,7 @@ def test_inverse_cdf_draw_equals_searchsorted(vocab):
     assert np.all(probs[np.arange(256), drawn] > 0)
 
 
+@pytest.mark.slow
 def test_decode_chunks_leave_rollouts_unchanged(qwen2, single):
     m, params = qwen2
     prompt, mask = _prompts([8, 3, 6], 8, seed=6)
@@ -218,6 +222,7 @@ def test_decode_chunks_leave_rollouts_unchanged(qwen2, single):
     np.testing.assert_allclose(out[0]["logp"], out[1]["logp"], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_rollout_micro_batches_leave_rollouts_unchanged(qwen2, single):
     m, params = qwen2
     prompt, mask = _prompts([8, 3, 6, 5], 8, seed=7)

@@ -33,6 +33,7 @@ def _close(a, b, tol=1e-5):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=tol, rtol=tol)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fixture", ["qwen2_dir", "qwen3_dir"])
 def test_scanned_logits_and_gradients_equal_unrolled(fixture, request, single):
     model_dir = request.getfixturevalue(fixture)
@@ -70,6 +71,7 @@ def test_hf_folder_loads_stacked_and_round_trips(qwen2_dir, single, tmp_path):
         np.testing.assert_array_equal(flat_saved[path], x)
 
 
+@pytest.mark.slow
 def test_scanned_sampler_equals_unrolled(qwen2_dir, single):
     unrolled, scanned = _models(qwen2_dir)
     params = hf_io.load_params(qwen2_dir, unrolled, single)
@@ -106,6 +108,7 @@ def _head_case(vocab=512, d=16, b=2, t=64):
     return cfg, params, x_BxTxD, targets_BxT
 
 
+@pytest.mark.slow
 def test_chunked_logp_entropy_and_gradients_equal_unchunked():
     cfg, params, x_BxTxD, targets_BxT = _head_case(t=37)  # 37 tokens: a ragged last chunk
     logits_BxTxV = x_BxTxD @ params["lm_head"]["kernel"]
@@ -137,6 +140,7 @@ def _temp_bytes(chunk, remat=True):
     return compiled.memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_chunked_backward_holds_one_chunk_of_logits():
     full_logits = 2 * 256 * 4096 * 4  # B x T x V f32: 8 MiB (XLA:CPU held 4 such arrays)
     unchunked, chunked, no_remat = _temp_bytes(0), _temp_bytes(32), _temp_bytes(32, remat=False)

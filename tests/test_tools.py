@@ -66,6 +66,7 @@ def workdir(tmp_path_factory):
     return str(path)
 
 
+@pytest.mark.slow
 def test_completion_tables_show_what_the_reward_saw(workdir):
     records = metrics.read_jsonl(os.path.join(workdir, metrics.COMPLETIONS))
     assert [r["step"] for r in records] == [1, 1, 2, 2]  # every step, two rows each
@@ -77,6 +78,7 @@ def test_completion_tables_show_what_the_reward_saw(workdir):
         assert len({r["problem_id"] for r in records if r["step"] == step}) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAVE_WANDB, reason="wandb is not installed (pip install -e .[tracking])")
 def test_wandb_offline_logs_under_the_recipes_names(workdir):
     run_id = open(os.path.join(workdir, "wandb_run_id")).read().strip()
@@ -96,12 +98,14 @@ def test_wandb_offline_logs_under_the_recipes_names(workdir):
     assert os.listdir(os.path.join(workdir, "tensorboard"))
 
 
+@pytest.mark.slow
 def test_a_profiled_step_leaves_its_trace(workdir):
     assert os.listdir(os.path.join(workdir, "profile")) == ["step_2"]
     traces = glob.glob(os.path.join(workdir, "profile", "step_2", "**", "*.xplane.pb"), recursive=True)
     assert traces and os.path.getsize(traces[0]) > 0
 
 
+@pytest.mark.slow
 def test_every_key_of_the_console_line_is_emitted(workdir):
     records = metrics.read_jsonl(os.path.join(workdir, metrics.JSONL))
     emitted = set().union(*records)
@@ -125,6 +129,7 @@ def test_bad_tracking_keys_are_one_line(key, value, message):
         run.check_config(c)
 
 
+@pytest.mark.slow
 def test_a_user_reward_from_a_file_scores_the_run(workdir):
     records = metrics.read_jsonl(os.path.join(workdir, metrics.JSONL))
     assert [r["step"] for r in records] == [1, 2]
@@ -134,6 +139,7 @@ def test_a_user_reward_from_a_file_scores_the_run(workdir):
         assert 0 < r["before_filter/acc_mean"] < 1
 
 
+@pytest.mark.slow
 def test_evaluate_a_checkpoint_writes_every_sample(workdir):
     c = evaluate.apply_overrides(_config(), samples=2, temperature=1.0, top_p=1.0)
     result, out = evaluate.evaluate(c, workdir=workdir, step=1)
@@ -161,6 +167,7 @@ def test_evaluate_a_checkpoint_writes_every_sample(workdir):
     assert "avg@2 " in evaluate.summary_text(result) and "± " in evaluate.summary_text(result)
 
 
+@pytest.mark.slow
 def test_export_any_step_and_evaluate_the_folder_from_the_command_line(workdir, tmp_path):
     out, step = export.export(_config(), workdir, step=1, out=str(tmp_path / "hf"), dtype="bfloat16")
     assert step == 1
@@ -196,6 +203,7 @@ def test_export_any_step_and_evaluate_the_folder_from_the_command_line(workdir, 
     assert len(rows) == 8 and all(r["length"] <= 24 for r in rows)
 
 
+@pytest.mark.slow
 def test_export_of_a_missing_step_is_one_line_naming_the_steps(workdir, tmp_path):
     cmd = [
         sys.executable,

@@ -75,7 +75,12 @@ def single_device_batch():
     return jax.device_get(ts.Batch(*r, logp + old_noise, logp + ref_noise))
 
 
-@pytest.mark.parametrize("agg_mode", objective.AGG_MODES)
+# token-mean in the fast tier; the other modes' micro-batch shares are pinned by hand in
+# test_objective.py, their compiled accumulation here in the full suite.
+@pytest.mark.parametrize(
+    "agg_mode",
+    [m if m == "token-mean" else pytest.param(m, marks=pytest.mark.slow) for m in objective.AGG_MODES],
+)
 def test_gradient_accumulation_is_invariant(agg_mode):
     params = init(single_mesh())
     batch = single_device_batch()
@@ -147,6 +152,7 @@ def make_step(mesh):
     return opt, step
 
 
+@pytest.mark.slow
 def test_sharded_step_equals_single_device():
     single = single_mesh()
     params0 = init(single)
@@ -176,6 +182,7 @@ def test_sharded_step_equals_single_device():
     assert moved > 1e-3  # the step did change the parameters
 
 
+@pytest.mark.slow
 def test_non_finite_loss_skips_the_update():
     mesh = single_mesh()
     params = init(mesh)
@@ -197,6 +204,7 @@ def test_non_finite_loss_skips_the_update():
     assert not np.array_equal(np.asarray(state.params["norm"]["scale"]), before.params["norm"]["scale"])
 
 
+@pytest.mark.slow
 def test_old_logprobs_are_the_policy_before_the_first_of_k_updates():
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     opt, step = make_step(mesh)
