@@ -353,8 +353,9 @@ class Transformer(nn.Module):
     """Causal LM. `__call__(tokens_BxT, positions_BxT, attn_BxTxS, caches=None, cache_index_B=None)`
     returns `(logits_BxTxV in float32, new caches or None)`; with caches, row b writes its T
     tokens at slots `cache_index_B[b]` on. With `hidden_only` the final normalised hidden states
-    `x_BxTxD` instead of the logits (`lm_head` maps them). The rotary tables are computed once, not
-    in every layer (an optimisation barrier keeps the compiler from fusing them into each use)."""
+    `x_BxTxD` instead of the logits (`lm_head` maps them). With caches the rotary tables are
+    computed once, not in every layer (an optimisation barrier keeps XLA from fusing them into
+    each use: a decode loop would recompute the cos and sin in every layer at every step)."""
 
     config: ModelConfig
 
@@ -378,7 +379,9 @@ class Transformer(nn.Module):
             name="embed_tokens",
         )
         x_BxTxD = nn.with_logical_constraint(embed(tokens_BxT), ("batch", "length", "embed"))
-        rope = jax.lax.optimization_barrier(rope_tables(positions_BxT, c))
+        rope = rope_tables(positions_BxT, c)
+        if caches is not None:  # a prefill or decode step: the tables once, not fused into each layer
+            rope = jax.lax.optimization_barrier(rope)
         x_BxTxD, new_caches = _decoder_stack(c, x_BxTxD, rope, attn_BxTxS, caches, cache_index_B)
         x_BxTxD = RMSNorm(c.rms_norm_eps, c.compute_dtype, c.weight_dtype, name="norm")(x_BxTxD)
         if hidden_only:  # (init runs the head, so its parameters exist)
