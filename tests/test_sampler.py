@@ -271,3 +271,13 @@ def test_continuous_batching_equals_the_fixed_batch(qwen2, single):
         for k in ("tokens", "length", "truncated", "mask"):
             np.testing.assert_array_equal(out[k], fixed[k], err_msg=f"{k}, {slots} slots")
         np.testing.assert_allclose(out["logp"], fixed["logp"], atol=1e-6, err_msg=f"{slots} slots")
+
+
+def test_decode_slots_are_checked(qwen2):
+    m, _ = qwen2
+    with pytest.raises(ValueError, match="decode_slots must be >= 0"):
+        _config(decode_slots=-1)
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    with pytest.raises(ValueError, match="decode_slots = 6 do not divide over the 4 devices"):
+        sampler.Sampler(m, _config(decode_slots=6), mesh)
+    sampler.Sampler(m, _config(decode_slots=8), mesh)
