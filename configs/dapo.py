@@ -53,6 +53,7 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
         top_k=0,
         max_new_tokens=20480,  # L_max
         micro_batch_prompts=32,  # prompts decoded at once: 512 rows' bf16 KV cache
+        decode_slots=0,  # rows decoded at once by continuous batching (0: a fixed batch)
     )
     c.reward = common.dapo_reward(overlong_buffer=4096)
     c.filter = common.dynamic_sampling(gen_batch_prompts=1536, max_num_gen_batches=10)
@@ -148,6 +149,7 @@ def tiny() -> ml_collections.ConfigDict:
         top_k=0,
         max_new_tokens=96,  # L_max; worked solutions take up to ~75 tokens
         micro_batch_prompts=0,  # the whole generation batch at once
+        decode_slots=0,  # rows decoded at once by continuous batching (0: a fixed batch)
     )
     c.reward = common.dapo_reward(overlong_buffer=16)
     c.filter = common.dynamic_sampling(gen_batch_prompts=64, max_num_gen_batches=4)

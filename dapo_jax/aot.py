@@ -292,6 +292,7 @@ def _sampling(c, shapes: Shapes) -> sampler.SamplingConfig:
         temperature=c.rollout.temperature,
         top_p=c.rollout.top_p,
         top_k=c.rollout.top_k,
+        decode_slots=c.rollout.decode_slots,
     )
 
 
@@ -360,7 +361,9 @@ def _decode_step_bytes(cfg: model.ModelConfig, mesh, rows: int, slots: int, dtyp
         )
         caches = _abstract(jax.eval_shape(lambda m=m: model.init_cache(m.config, rows, slots)), cache_sh)
         fn = jax.jit(
-            lambda p, t, pos, a, kv, m=m: sampler.decode_step(m, p, t, pos, a, kv, slots - 1),
+            lambda p, t, pos, a, kv, m=m: sampler.decode_step(
+                m, p, t, pos, a, kv, jnp.full((rows,), slots - 1)
+            ),
             in_shardings=(sharding.param_shardings(m, mesh), rep, rep, rep, cache_sh),
         )
         args = (
@@ -383,7 +386,6 @@ def decode_layouts(cfg, c, mesh, devices, shapes: Shapes, chip: Chip) -> list[di
     FSDP weights all-gathered every step) and a tensor-parallel rollout layout (bf16 weights
     over `tensor` chips only, replicated across data groups)."""
     rows, slots = shapes.prompts * shapes.group, shapes.prompt_len + shapes.new_tokens
-    slots = -(-slots // model.KEY_TILE) * model.KEY_TILE
     kv_bytes = 2 * cfg.num_layers * rows * cfg.num_kv_heads * slots * cfg.head_dim * 2
     n, tp = len(devices), mesh.shape["tensor"]
     tp_mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": tp}, devices)

@@ -7,9 +7,10 @@ and the main activations carry logical axis names (`sharding.RULES` maps them on
 model knows nothing of RL.
 
 Attention takes an explicit boolean mask `attn_BxTxS` (query t may read key slot s). Without a cache
-the keys are the T input tokens (S = T); with a cache (`KVCache`, one per layer) the T new keys and
-values are written at `cache_index` and the queries read all S cache slots. This one code path
-serves the trainer's teacher-forced pass, the sampler's prefill and its one-token decode steps.
+the keys are the T input tokens (S = T): the trainer's teacher-forced pass. With a cache (`KVCache`,
+one per layer) row b's T new keys and values are written at its slot `cache_index_B[b]` and the
+queries read all S cache slots: `grouped_attention` for a prefill (T > 1), `decode_attention` for a
+decode step (T = 1).
 """
 
 from __future__ import annotations
@@ -69,36 +70,24 @@ class ModelConfig:
         return v * d * (1 if self.tie_word_embeddings else 2) + self.num_layers * layer + d
 
 
-KEY_TILE = 32  # cache slots per key tile: a cache holds a whole number of tiles
-
-
 class KVCache(NamedTuple):
-    """One layer's cache of S = C * KEY_TILE slots: keys in tiles of transposed keys,
-    `k_BxKxCxHxT` (slot s = c*T + t), and values, `v_BxKxSxH`.
-
-    The decode step's q.k sums over H. With keys stored [B, K, S, H] the sum runs along the minor
-    axis; stored [B, K, H, S] it reads H strided streams; in tiles each tile's H x T block is read
-    contiguously. On XLA:CPU (S = 160, f32) the tiles ran 2.2x faster than [B, K, H, S], itself
-    4.8x faster than [B, K, S, H]. p.v sums over S with H minor."""
+    """One layer's cache of S slots: keys `k_BxKxSxH` and values `v_BxKxSxH`, slot s of row b
+    holding the key and value of the token that row wrote at s."""
 
     k: jax.Array
     v: jax.Array
 
 
 def init_cache(config: ModelConfig, batch: int, length: int) -> list[KVCache] | KVCache:
-    """Zeroed caches of `length` slots (a multiple of KEY_TILE) in the compute dtype: one per
-    layer, or with `scan_layers` one KVCache whose arrays are stacked on a leading layer axis."""
-    if length % KEY_TILE:
-        raise ValueError(f"cache length {length} is not a multiple of KEY_TILE = {KEY_TILE}")
-    b, k, h, dtype = batch, config.num_kv_heads, config.head_dim, config.compute_dtype
-    tiles = (b, k, length // KEY_TILE, h, KEY_TILE)
+    """Zeroed caches of `length` slots in the compute dtype: one per layer, or with `scan_layers`
+    one KVCache whose arrays are stacked on a leading layer axis."""
+    shape = (batch, config.num_kv_heads, length, config.head_dim)
     if config.scan_layers:
-        n = config.num_layers
-        return KVCache(jnp.zeros((n, *tiles), dtype), jnp.zeros((n, b, k, length, h), dtype))
-    return [
-        KVCache(jnp.zeros(tiles, dtype), jnp.zeros((b, k, length, h), dtype))
-        for _ in range(config.num_layers)
-    ]
+        shape = (config.num_layers, *shape)
+    zeros = lambda: jnp.zeros(shape, config.compute_dtype)
+    if config.scan_layers:
+        return KVCache(zeros(), zeros())
+    return [KVCache(zeros(), zeros()) for _ in range(config.num_layers)]
 
 
 def cache_layer_axes(caches) -> int:
@@ -106,16 +95,13 @@ def cache_layer_axes(caches) -> int:
     return 1 if isinstance(caches, KVCache) else 0
 
 
-def untile_keys(k_BxKxCxHxT: jax.Array) -> jax.Array:
-    """Cached keys as `kT_BxKxHxS`."""
-    b, k, c, h, t = k_BxKxCxHxT.shape
-    return k_BxKxCxHxT.transpose(0, 1, 3, 2, 4).reshape(b, k, h, c * t)
-
-
-def tile_keys(kT_BxKxHxS: jax.Array) -> jax.Array:
-    """`kT_BxKxHxS` (S a multiple of KEY_TILE) as cached key tiles `k_BxKxCxHxT`."""
-    b, k, h, s = kT_BxKxHxS.shape
-    return kT_BxKxHxS.reshape(b, k, h, s // KEY_TILE, KEY_TILE).transpose(0, 1, 3, 2, 4)
+def write_cache(cache: KVCache, k_BxKxTxH, v_BxKxTxH, index_B) -> KVCache:
+    """`cache` with row b's T new keys and values at slots index_B[b] .. index_B[b] + T - 1."""
+    put = jax.vmap(lambda c_KxSxH, x_KxTxH, i: jax.lax.dynamic_update_slice(c_KxSxH, x_KxTxH, (0, i, 0)))
+    return KVCache(
+        put(cache.k, k_BxKxTxH.astype(cache.k.dtype), index_B),
+        put(cache.v, v_BxKxTxH.astype(cache.v.dtype), index_B),
+    )
 
 
 def positions_from_mask(mask_BxT: jax.Array) -> jax.Array:
@@ -167,33 +153,33 @@ def apply_rope(x_BxTxNxH: jax.Array, rope: Rope) -> jax.Array:
     return out.astype(x_BxTxNxH.dtype)
 
 
-def grouped_attention(q_BxTxKxGxH, keys, v_BxKxSxH, attn_BxTxS, dtype):
-    """softmax(q k^T / sqrt(H), masked) v for G query heads per kv head; scores in float32.
-
-    `keys` are `kT_BxKxHxS`, or cached key tiles `k_BxKxCxHxT` for a single query (T = 1, a decode
-    step), which is written as broadcast multiplies and sums: as dots they become B x K tiny matrix
-    products, which XLA:CPU ran several times slower. Multi-token attention is two 3-d batched dots
-    over R = B x K rows of M = G x T queries (`q_RxMxH`): XLA:CPU has no kernel for a bf16 dot with
-    f32 accumulation and two batch dimensions (the 5-d einsum), and runs the 3-d one."""
+def grouped_attention(q_BxTxKxGxH, kT_BxKxHxS, v_BxKxSxH, attn_BxTxS, dtype):
+    """softmax(q k^T / sqrt(H), masked) v for G query heads per kv head and T queries (a
+    teacher-forced pass or a prefill); scores in float32. Two 3-d batched dots over R = B x K rows
+    of M = G x T queries (`q_RxMxH`): XLA:CPU has no kernel for a bf16 dot with f32 accumulation
+    and two batch dimensions (the 5-d einsum), and runs the 3-d one."""
     b, t, k, g, h = q_BxTxKxGxH.shape
     scale = 1.0 / math.sqrt(h)
-    if keys.ndim == 5:
-        q_BxKxGx1xHx1 = q_BxTxKxGxH[:, 0, :, :, None, :, None].astype(jnp.float32)
-        scores = jnp.sum(q_BxKxGx1xHx1 * keys[:, :, None].astype(jnp.float32), -2) * scale
-        scores_BxKxGxTxS = scores.reshape(b, k, g, 1, -1)
-    else:
-        q_RxMxH = q_BxTxKxGxH.transpose(0, 2, 3, 1, 4).reshape(b * k, g * t, h)
-        kT_RxHxS = keys.reshape(b * k, h, -1)
-        scores_RxMxS = jnp.einsum("rmh,rhs->rms", q_RxMxH, kT_RxHxS, preferred_element_type=jnp.float32)
-        scores_BxKxGxTxS = scores_RxMxS.reshape(b, k, g, t, -1) * scale
+    q_RxMxH = q_BxTxKxGxH.transpose(0, 2, 3, 1, 4).reshape(b * k, g * t, h)
+    kT_RxHxS = kT_BxKxHxS.reshape(b * k, h, -1)
+    scores_RxMxS = jnp.einsum("rmh,rhs->rms", q_RxMxH, kT_RxHxS, preferred_element_type=jnp.float32)
+    scores_BxKxGxTxS = scores_RxMxS.reshape(b, k, g, t, -1) * scale
     scores = jnp.where(attn_BxTxS[:, None, None], scores_BxKxGxTxS, _NEG_INF)
-    probs_BxKxGxTxS = jax.nn.softmax(scores, axis=-1).astype(dtype)
-    if keys.ndim == 5:
-        out_BxKxGxH = jnp.sum(probs_BxKxGxTxS[:, :, :, 0, :, None] * v_BxKxSxH[:, :, None], -2)
-        return out_BxKxGxH[:, None]
-    probs_RxMxS = probs_BxKxGxTxS.reshape(b * k, g * t, -1)
+    probs_RxMxS = jax.nn.softmax(scores, axis=-1).astype(dtype).reshape(b * k, g * t, -1)
     out_RxMxH = jnp.einsum("rms,rsh->rmh", probs_RxMxS, v_BxKxSxH.reshape(b * k, -1, h))
     return out_RxMxH.reshape(b, k, g, t, h).transpose(0, 3, 1, 2, 4)
+
+
+def decode_attention(q_BxKxGxH, cache: KVCache, attn_BxS, dtype):
+    """`out_BxKxGxH`: one query per row (a decode step) over the S cache slots it may read;
+    scores in float32. Written as broadcast multiplies and sums, not dots: as dots they become
+    B x K matrix-vector products of G rows (figures: experiments/README.md)."""
+    scale = 1.0 / math.sqrt(q_BxKxGxH.shape[-1])
+    q_BxKxGx1xH = q_BxKxGxH[:, :, :, None, :].astype(jnp.float32)
+    scores_BxKxGxS = jnp.sum(q_BxKxGx1xH * cache.k[:, :, None].astype(jnp.float32), -1) * scale
+    scores_BxKxGxS = jnp.where(attn_BxS[:, None, None], scores_BxKxGxS, _NEG_INF)
+    probs_BxKxGxS = jax.nn.softmax(scores_BxKxGxS, axis=-1).astype(dtype)
+    return jnp.sum(probs_BxKxGxS[..., None] * cache.v[:, :, None], -2)
 
 
 def chunked_attention(q_BxTxKxGxH, keys, v_BxKxSxH, attn_BxTxS, dtype, chunk: int):
@@ -255,7 +241,7 @@ class Attention(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BxTxD, rope: Rope, attn_BxTxS, cache: KVCache | None, cache_index):
+    def __call__(self, x_BxTxD, rope: Rope, attn_BxTxS, cache: KVCache | None, cache_index_B):
         c = self.config
         b, t, _ = x_BxTxD.shape
         n, k, h = c.num_heads, c.num_kv_heads, c.head_dim
@@ -269,25 +255,20 @@ class Attention(nn.Module):
             )
             q_BxTxNxH, k_BxTxKxH = norm("q_norm")(q_BxTxNxH), norm("k_norm")(k_BxTxKxH)
         q_BxTxNxH = apply_rope(q_BxTxNxH, rope)
-        kT_BxKxHxT = apply_rope(k_BxTxKxH, rope).transpose(0, 2, 3, 1)
+        k_BxKxTxH = apply_rope(k_BxTxKxH, rope).transpose(0, 2, 1, 3)
         v_BxKxTxH = val.reshape(b, t, k, h).transpose(0, 2, 1, 3)
-        if cache is not None:
-            v_BxKxSxH = jax.lax.dynamic_update_slice(
-                cache.v, v_BxKxTxH.astype(cache.v.dtype), (0, 0, cache_index, 0)
-            )
-            new_keys = kT_BxKxHxT.astype(cache.k.dtype)
-            if t == 1:  # a decode step writes one slot of one tile and reads the tiles
-                keys = jax.lax.dynamic_update_slice(
-                    cache.k, new_keys[:, :, None], (0, 0, cache_index // KEY_TILE, 0, cache_index % KEY_TILE)
-                )
-                cache = KVCache(keys, v_BxKxSxH)
-            else:  # a prefill writes across tiles and reads the keys untiled
-                keys = jax.lax.dynamic_update_slice(untile_keys(cache.k), new_keys, (0, 0, 0, cache_index))
-                cache = KVCache(tile_keys(keys), v_BxKxSxH)
-        else:
-            keys, v_BxKxSxH = kT_BxKxHxT, v_BxKxTxH
         q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, k, n // k, h)
-        out = chunked_attention(q_BxTxKxGxH, keys, v_BxKxSxH, attn_BxTxS, c.compute_dtype, c.attention_chunk)
+        dtype, chunk = c.compute_dtype, c.attention_chunk
+        if cache is None:
+            kT_BxKxHxT = k_BxKxTxH.swapaxes(2, 3)
+            out = chunked_attention(q_BxTxKxGxH, kT_BxKxHxT, v_BxKxTxH, attn_BxTxS, dtype, chunk)
+        else:
+            cache = write_cache(cache, k_BxKxTxH, v_BxKxTxH, cache_index_B)
+            if t == 1:
+                out = decode_attention(q_BxTxKxGxH[:, 0], cache, attn_BxTxS[:, 0], dtype)[:, None]
+            else:
+                kT_BxKxHxS = cache.k.swapaxes(2, 3)
+                out = chunked_attention(q_BxTxKxGxH, kT_BxKxHxS, cache.v, attn_BxTxS, dtype, chunk)
         out = out.reshape(b, t, n * h)
         out = nn.with_logical_constraint(out, ("batch", "length", "heads"))
         return _dense(c, c.hidden_size, ("heads", "embed"), False, "o_proj")(out), cache
@@ -313,11 +294,11 @@ class DecoderLayer(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BxTxD, rope, attn_BxTxS, cache, cache_index):
+    def __call__(self, x_BxTxD, rope, attn_BxTxS, cache, cache_index_B):
         c = self.config
         norm = lambda name: RMSNorm(c.rms_norm_eps, c.compute_dtype, c.weight_dtype, name=name)
         h, cache = Attention(c, name="self_attn")(
-            norm("input_layernorm")(x_BxTxD), rope, attn_BxTxS, cache, cache_index
+            norm("input_layernorm")(x_BxTxD), rope, attn_BxTxS, cache, cache_index_B
         )
         x_BxTxD = x_BxTxD + h
         x_BxTxD = x_BxTxD + MLP(c, name="mlp")(norm("post_attention_layernorm")(x_BxTxD))
@@ -336,7 +317,7 @@ def _layer_class(c: ModelConfig):
     return nn.remat(DecoderLayer, policy=policy, prevent_cse=not c.scan_layers)
 
 
-def _decoder_stack(c: ModelConfig, x_BxTxD, rope, attn_BxTxS, caches, cache_index):
+def _decoder_stack(c: ModelConfig, x_BxTxD, rope, attn_BxTxS, caches, cache_index_B):
     """The L decoder layers: a Python loop (params `layers_i`, caches a list) or, with
     `scan_layers`, one `nn.scan` body (params `layers` stacked on a leading axis named "layers",
     caches one stacked KVCache scanned along with them)."""
@@ -345,7 +326,7 @@ def _decoder_stack(c: ModelConfig, x_BxTxD, rope, attn_BxTxS, caches, cache_inde
         new_caches = []
         for i in range(c.num_layers):
             x_BxTxD, cache = layer_cls(c, name=f"layers_{i}")(
-                x_BxTxD, rope, attn_BxTxS, None if caches is None else caches[i], cache_index
+                x_BxTxD, rope, attn_BxTxS, None if caches is None else caches[i], cache_index_B
             )
             new_caches.append(cache)
         return x_BxTxD, (None if caches is None else new_caches)
@@ -357,7 +338,7 @@ def _decoder_stack(c: ModelConfig, x_BxTxD, rope, attn_BxTxS, caches, cache_inde
         length=c.num_layers,
         metadata_params={nn.PARTITION_NAME: "layers"},
     )
-    return stack(c, name="layers")(x_BxTxD, rope, attn_BxTxS, caches, cache_index)
+    return stack(c, name="layers")(x_BxTxD, rope, attn_BxTxS, caches, cache_index_B)
 
 
 def lm_head(config: ModelConfig, params, x_BxTxD) -> jax.Array:
@@ -373,17 +354,24 @@ def lm_head(config: ModelConfig, params, x_BxTxD) -> jax.Array:
 
 
 class Transformer(nn.Module):
-    """Causal LM. `__call__(tokens_BxT, positions_BxT, attn_BxTxS, caches=None, cache_index=0)`
-    returns `(logits_BxTxV in float32, new caches or None)`; with `hidden_only` the final
-    normalised hidden states `x_BxTxD` instead of the logits (`lm_head` maps them). `positions_BxT`
-    may be given as their `rope_tables`: a loop of decode steps computes them once (XLA:CPU would
-    recompute the cos and sin in every layer's fusions, each ~20 ns per element)."""
+    """Causal LM. `__call__(tokens_BxT, positions_BxT, attn_BxTxS, caches=None, cache_index_B=None)`
+    returns `(logits_BxTxV in float32, new caches or None)`; with caches, row b writes its T
+    tokens at slots `cache_index_B[b]` on. With `hidden_only` the final normalised hidden states
+    `x_BxTxD` instead of the logits (`lm_head` maps them). With caches the rotary tables are
+    computed once, not in every layer (an optimisation barrier keeps XLA from fusing them into
+    each use: a decode loop would recompute the cos and sin in every layer at every step)."""
 
     config: ModelConfig
 
     @nn.compact
     def __call__(
-        self, tokens_BxT, positions_BxT, attn_BxTxS, caches=None, cache_index=0, hidden_only: bool = False
+        self,
+        tokens_BxT,
+        positions_BxT,
+        attn_BxTxS,
+        caches=None,
+        cache_index_B=None,
+        hidden_only: bool = False,
     ):
         c = self.config
         embed = nn.Embed(
@@ -395,8 +383,10 @@ class Transformer(nn.Module):
             name="embed_tokens",
         )
         x_BxTxD = nn.with_logical_constraint(embed(tokens_BxT), ("batch", "length", "embed"))
-        rope = positions_BxT if isinstance(positions_BxT, Rope) else rope_tables(positions_BxT, c)
-        x_BxTxD, new_caches = _decoder_stack(c, x_BxTxD, rope, attn_BxTxS, caches, cache_index)
+        rope = rope_tables(positions_BxT, c)
+        if caches is not None:  # a prefill or decode step: the tables once, not fused into each layer
+            rope = jax.lax.optimization_barrier(rope)
+        x_BxTxD, new_caches = _decoder_stack(c, x_BxTxD, rope, attn_BxTxS, caches, cache_index_B)
         x_BxTxD = RMSNorm(c.rms_norm_eps, c.compute_dtype, c.weight_dtype, name="norm")(x_BxTxD)
         if hidden_only:  # (init runs the head, so its parameters exist)
             return x_BxTxD, new_caches

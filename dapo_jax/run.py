@@ -79,6 +79,7 @@ _RANGES = {
     "model.attention_chunk": "[0, inf)",
     "model.logits_chunk": "[0, inf)",
     "rollout.micro_batch_prompts": "[0, inf)",
+    "rollout.decode_slots": "[0, inf)",
 }
 
 
@@ -365,6 +366,7 @@ def build(c: ml_collections.ConfigDict, workdir: str) -> Run:
         pad_id=pad,
         prompt_buckets=tuple(c.data.prompt_buckets),
         top_k=c.rollout.top_k,
+        decode_slots=c.rollout.decode_slots,
     )
     sampler = Sampler(
         m,

@@ -1,17 +1,26 @@
 """Rollouts: prefill P left-padded prompts once, then sample G completions of each in one jitted loop.
 
-Layout. Prompts are left padded to a bucket length L, so every prompt ends at slot L-1. The prefill
-runs the first L-1 prompt columns into per-layer KV caches (N = max new tokens; at most L + N - 1
-slots are used), which are then repeated G times along the batch (row b = p*G + g, a group's rows
-contiguous). Decode step t (a `lax.while_loop` iteration) feeds one token per row at the shared slot
-L-1+t, the last prompt token when t = 0 and the token sampled at t-1 after, at position
-`prompt_len - 1 + t` of its own row (the rotary tables of every position are computed once, before
-the loop), and samples token t from the logits. A row reads cache slot s iff s holds a real prompt
-token or a token it fed, and s <= L-1+t. The loop stops after N tokens or when every row has ended
-(an id of `eos_ids`, which is kept and counted in the length). It runs in `decode_chunks` phases,
-each a `while_loop` whose caches hold only the slots filled by the phase's end, in whole key tiles
-(`decode_phases`; grown with empty slots between phases): attention reads the cache at every step,
-and early steps then read less of it.
+Layout. Prompts are left padded to a bucket length L, so every prompt ends at cache slot L-1. The
+prefill runs the first L-1 prompt columns into per-layer KV caches (N = max new tokens; at most
+L + N - 1 slots are used). Row b = p*G + g (a group's rows contiguous) samples its token t by
+feeding one token at slot L-1+t of its cache, the last prompt token when t = 0 and its token t-1
+after, at position `prompt_len - 1 + t`. A row reads cache slot s iff s holds a real prompt token
+or a token it fed, and s <= L-1+t. A row ends at an id of `eos_ids` (kept and counted in its
+length) or after N tokens (truncated).
+
+Two loops, chosen by `decode_slots`:
+- Fixed batch (0): the prefill caches are repeated G times and all B = P*G rows decode together,
+  at the same t, until every row has ended. It runs in `decode_chunks` phases, each a
+  `while_loop` whose caches hold only the slots filled by the phase's end (`decode_phases`, grown
+  with empty slots between phases): early steps read less cache. Rows that have ended still cost
+  a row of every step until the longest ends.
+- Continuous batching (S > 0): S decode slots, each with a cache of L + N - 1 slots, serve the B
+  rows in order. A row starts when a slot frees: its prompt's prefill (computed once per prompt)
+  is copied into the slot, and it decodes at its own t beside rows at other steps. The loop's
+  steps follow the sum of the rows' lengths over S, not the longest; S bounds the KV cache.
+
+The rows' tokens and log-probs do not depend on the loop, the slot count, the batch or the slots
+a row is given (to float rounding of the attention sums, ~1e-7).
 
 Log-probs. `logp_BxN` is log_softmax(logits / temperature) at the sampled token, before top-k /
 top-p truncation: the distribution the trainer recomputes from the same parameters with
@@ -36,18 +45,15 @@ from jax.sharding import Mesh
 
 from dapo_jax import sharding
 from dapo_jax.model import (
-    KEY_TILE,
     KVCache,
-    Rope,
     Transformer,
     cache_layer_axes,
     causal_attention_mask,
     init_cache,
     positions_from_mask,
-    rope_tables,
 )
 
-_CACHE_AXES = KVCache(k=("batch", "kv_heads", "length", None, None), v=("batch", "kv_heads", "length", None))
+_CACHE_AXES = KVCache(k=("batch", "kv_heads", "length", None), v=("batch", "kv_heads", "length", None))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +68,8 @@ class SamplingConfig:
     top_p: float = 1.0  # nucleus: keep the most likely tokens up to this probability mass
     top_k: int = 0  # keep the k most likely tokens; 0 keeps all
     greedy: bool = False  # argmax instead of sampling (logp still under log_softmax(logits / T))
-    decode_chunks: int = 4  # the decode loop's phases; each attends over the slots filled by its end
+    decode_chunks: int = 4  # the fixed batch's phases; each attends over the slots filled by its end
+    decode_slots: int = 0  # S: rows decoded at once by continuous batching (0: all rows, fixed batch)
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -81,29 +88,30 @@ class SamplingConfig:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.decode_chunks < 1:
             raise ValueError(f"decode_chunks must be >= 1, got {self.decode_chunks}")
+        if self.decode_slots < 0:
+            raise ValueError(f"decode_slots must be >= 0 (0: a fixed batch), got {self.decode_slots}")
 
 
 def prefill(model: Transformer, params, tokens_PxT, mask_PxT, cache_len: int):
-    """Fresh caches of `cache_len` slots (whole key tiles) holding the keys/values of the T prompt
-    tokens at slots 0..T-1 (a list of per-layer caches, or one stacked KVCache for a scanned
-    model). The logits are not used, so XLA drops the LM head over the T x vocab positions."""
-    caches = init_cache(model.config, tokens_PxT.shape[0], cache_len)
-    t = tokens_PxT.shape[1]
+    """Fresh caches of `cache_len` slots holding the keys/values of the T prompt tokens at slots
+    0..T-1 (a list of per-layer caches, or one stacked KVCache for a scanned model). The logits
+    are not used, so XLA drops the LM head over the T x vocab positions."""
+    p, t = tokens_PxT.shape
+    caches = init_cache(model.config, p, cache_len)
     if t == 0:
         return caches
     attn_PxTxS = jnp.pad(causal_attention_mask(mask_PxT), ((0, 0), (0, 0), (0, cache_len - t)))
-    _, caches = model.apply(
-        {"params": params}, tokens_PxT, positions_from_mask(mask_PxT), attn_PxTxS, caches, 0
-    )
+    positions_PxT = positions_from_mask(mask_PxT)
+    zeros_P = jnp.zeros((p,), jnp.int32)
+    _, caches = model.apply({"params": params}, tokens_PxT, positions_PxT, attn_PxTxS, caches, zeros_P)
     return caches
 
 
-def decode_step(model: Transformer, params, tokens_B, positions_B, attn_BxS, caches, slot):
-    """Feed one token per row at cache `slot`; returns `(logits_BxV, caches)`. `positions_B` may be
-    given as their `rope_tables` (of shape [B, 1])."""
-    positions_Bx1 = positions_B if isinstance(positions_B, Rope) else positions_B[:, None]
+def decode_step(model: Transformer, params, tokens_B, positions_B, attn_BxS, caches, slot_B):
+    """Feed row b's token at position `positions_B[b]` into cache slot `slot_B[b]`, reading the
+    slots `attn_BxS[b]` allows; returns `(logits_BxV, caches)`."""
     logits_Bx1xV, caches = model.apply(
-        {"params": params}, tokens_B[:, None], positions_Bx1, attn_BxS[:, None, :], caches, slot
+        {"params": params}, tokens_B[:, None], positions_B[:, None], attn_BxS[:, None, :], caches, slot_B
     )
     return logits_Bx1xV[:, 0], caches
 
@@ -172,23 +180,13 @@ def sample_token(logits_BxV, u_B, config: SamplingConfig):
     return token_B.astype(jnp.int32), drawn_B - log_z_B
 
 
-class _LoopState(NamedTuple):
-    step: jax.Array  # t: tokens sampled so far
-    feed_B: jax.Array  # token fed at slot L-1+t
-    caches: list[KVCache] | KVCache  # per layer, or stacked (scanned model)
-    tokens_BxN: jax.Array
-    logp_BxN: jax.Array
-    ended_B: jax.Array  # sampled an end id
-    length_B: jax.Array
-
-
 def decode_phases(config: SamplingConfig, prompt_len: int) -> list[tuple[int, int]]:
-    """`(end, slots)` of each decode phase: `decode_chunks` near-equal parts of the N steps, the
-    last step at `end` - 1, over caches of the slots filled by then in whole key tiles."""
+    """`(end, slots)` of each fixed-batch decode phase: `decode_chunks` near-equal parts of the N
+    steps, the last step at `end` - 1, over caches of the slots filled by then."""
     n_new = config.max_new_tokens
     chunks = min(config.decode_chunks, n_new)
     ends = [-(-n_new * (j + 1) // chunks) for j in range(chunks)]
-    return [(end, -(-(prompt_len - 1 + end) // KEY_TILE) * KEY_TILE) for end in ends]
+    return [(end, prompt_len - 1 + end) for end in ends]
 
 
 def _cache_list(caches) -> list[KVCache]:
@@ -206,15 +204,10 @@ def cache_slots(caches) -> int:
 
 
 def _grow(caches, slots: int):
-    """Caches extended with empty slots up to `slots` (whole key tiles)."""
-    lead = cache_layer_axes(caches)
-    pad = lambda x, axis, size: jnp.pad(
-        x, [(0, size - x.shape[axis]) if a == axis else (0, 0) for a in range(x.ndim)]
-    )
-    grown = [
-        KVCache(pad(c.k, 2 + lead, slots // KEY_TILE), pad(c.v, 2 + lead, slots)) for c in _cache_list(caches)
-    ]
-    return _from_list(grown, caches)
+    """Caches extended with empty slots up to `slots`."""
+    axis = 2 + cache_layer_axes(caches)
+    pad = lambda x: jnp.pad(x, [(0, slots - x.shape[axis]) if a == axis else (0, 0) for a in range(x.ndim)])
+    return jax.tree.map(pad, caches)
 
 
 def _constrain_caches(caches):
@@ -233,49 +226,72 @@ def _repeat_caches(caches, n: int):
     return jax.tree.map(lambda x: jnp.repeat(x, n, axis=axis), caches)
 
 
-def rollout(
-    model: Transformer, config: SamplingConfig, n: int, params, prompt_PxL, mask_PxL, uids_P, rng
-) -> dict:
-    """G = `n` completions of each of P left-padded prompts (pure; jitted by `Sampler`)."""
+def _row_uniforms(rng, uids_P, n: int, n_new: int):
+    """`u_BxN` in (0, 1]: row b = p*n + g draws its N numbers at once, with key
+    fold_in(fold_in(rng, uid_p), g); its token t is sampled with the t-th."""
+    p = uids_P.shape[0]
+    prompt_keys_P = jax.vmap(jax.random.fold_in, (None, 0))(rng, uids_P)
+    row_keys_B = jax.vmap(jax.random.fold_in)(
+        jnp.repeat(prompt_keys_P, n, axis=0), jnp.tile(jnp.arange(n), p)
+    )
+    return 1.0 - jax.vmap(lambda key: jax.random.uniform(key, (n_new,)))(row_keys_B)
+
+
+def _outputs(tokens_BxN, logp_BxN, ended_B, length_B) -> dict:
+    return {
+        "tokens": tokens_BxN,  # B x N, pad_id after the end
+        "logp": logp_BxN,  # B x N, 0 after the end
+        "mask": jnp.arange(tokens_BxN.shape[1]) < length_B[:, None],  # B x N completion mask
+        "length": length_B,  # B, the end id included
+        "truncated": ~ended_B,  # B, reached N tokens without an end id
+    }
+
+
+class _BatchState(NamedTuple):
+    step: jax.Array  # t: tokens sampled so far by every row
+    feed_B: jax.Array  # token fed at slot L-1+t
+    caches: list[KVCache] | KVCache  # per layer, or stacked (scanned model)
+    tokens_BxN: jax.Array
+    logp_BxN: jax.Array
+    ended_B: jax.Array  # sampled an end id
+    length_B: jax.Array
+
+
+def _fixed_batch_rollout(model, config: SamplingConfig, n: int, params, prompt_PxL, mask_PxL, u_BxN) -> dict:
+    """All P*n rows decoded together, in `decode_phases`, until every row has ended."""
     p, l = prompt_PxL.shape
     n_new, b = config.max_new_tokens, p * n
-    mask_PxL = mask_PxL.astype(bool)
-    constrain = _constrain_caches
     repeat = lambda x: jnp.repeat(x, n, axis=0)
     phases = decode_phases(config, l)
-
     caches = prefill(model, params, prompt_PxL[:, :-1], mask_PxL[:, :-1], phases[0][1])
-    caches = constrain(_repeat_caches(caches, n))
+    caches = _constrain_caches(_repeat_caches(caches, n))
     readable_BxS = repeat(jnp.pad(mask_PxL, ((0, 0), (0, phases[-1][1] - l)), constant_values=True))
     first_pos_B = repeat(mask_PxL.sum(-1, dtype=jnp.int32) - 1)
-    rope_1xP = rope_tables(jnp.arange(l + n_new)[None], model.config)  # all positions rows reach
-    row_keys_B = jax.vmap(jax.random.fold_in)(
-        repeat(jax.vmap(jax.random.fold_in, (None, 0))(rng, uids_P)), jnp.tile(jnp.arange(n), p)
-    )
-    u_BxN = 1.0 - jax.vmap(lambda key: jax.random.uniform(key, (n_new,)))(row_keys_B)  # (0, 1]
     eos_E = jnp.asarray(config.eos_ids, jnp.int32).reshape(-1)
 
-    def body(st: _LoopState) -> _LoopState:
+    def body(st: _BatchState) -> _BatchState:
         slot = l - 1 + st.step
         w = cache_slots(st.caches)  # this phase's slots
         attn_BxW = readable_BxS[:, :w] & (jnp.arange(w) <= slot)
-        rope = Rope(*(x[0, first_pos_B + st.step, None] for x in rope_1xP))
-        logits_BxV, caches = decode_step(model, params, st.feed_B, rope, attn_BxW, st.caches, slot)
+        slot_B = jnp.full((b,), slot)
+        logits_BxV, caches = decode_step(
+            model, params, st.feed_B, first_pos_B + st.step, attn_BxW, st.caches, slot_B
+        )
         u_B = jax.lax.dynamic_index_in_dim(u_BxN, st.step, 1, keepdims=False)
         token_B, logp_B = sample_token(logits_BxV, u_B, config)
         token_B = jnp.where(st.ended_B, config.pad_id, token_B)
         logp_B = jnp.where(st.ended_B, 0.0, logp_B)
-        return _LoopState(
+        return _BatchState(
             step=st.step + 1,
             feed_B=token_B,
-            caches=constrain(caches),
+            caches=_constrain_caches(caches),
             tokens_BxN=jax.lax.dynamic_update_index_in_dim(st.tokens_BxN, token_B, st.step, 1),
             logp_BxN=jax.lax.dynamic_update_index_in_dim(st.logp_BxN, logp_B, st.step, 1),
             ended_B=st.ended_B | jnp.isin(token_B, eos_E),
             length_B=st.length_B + (~st.ended_B),
         )
 
-    out = _LoopState(
+    out = _BatchState(
         step=jnp.zeros((), jnp.int32),
         feed_B=repeat(prompt_PxL[:, -1]),
         caches=caches,
@@ -286,15 +302,116 @@ def rollout(
     )
     for j, (end, slots) in enumerate(phases):
         if j:
-            out = out._replace(caches=constrain(_grow(out.caches, slots)))
+            out = out._replace(caches=_constrain_caches(_grow(out.caches, slots)))
         out = jax.lax.while_loop(lambda st, end=end: (st.step < end) & ~jnp.all(st.ended_B), body, out)
-    return {
-        "tokens": out.tokens_BxN,  # B x N, pad_id after the end
-        "logp": out.logp_BxN,  # B x N, 0 after the end
-        "mask": jnp.arange(n_new) < out.length_B[:, None],  # B x N completion mask
-        "length": out.length_B,  # B, the end id included
-        "truncated": ~out.ended_B,  # B, reached N tokens without an end id
-    }
+    return _outputs(out.tokens_BxN, out.logp_BxN, out.ended_B, out.length_B)
+
+
+class _SlotState(NamedTuple):
+    row_S: jax.Array  # the row each decode slot serves; B when it has none
+    step_S: jax.Array  # t: tokens that row has sampled
+    feed_S: jax.Array  # the token it feeds next, at cache slot L-1+t
+    caches: list[KVCache] | KVCache  # per layer, or stacked (scanned model); S rows
+    next_row: jax.Array  # rows below it have had a slot
+    tokens_BxN: jax.Array
+    logp_BxN: jax.Array
+    ended_B: jax.Array  # sampled an end id
+    length_B: jax.Array
+
+
+def _copy_prefill(caches, prefill_caches, starting_S, p_S):
+    """`caches` whose starting slots hold prompt p_S's prefill in their first L-1 cache slots."""
+    lead = cache_layer_axes(caches)
+
+    def put(x, prefix):
+        head = (slice(None),) * (2 + lead) + (slice(0, prefix.shape[2 + lead]),)
+        start = starting_S.reshape((1,) * lead + (-1, 1, 1, 1))
+        return x.at[head].set(jnp.where(start, jnp.take(prefix, p_S, axis=lead), x[head]))
+
+    return jax.tree.map(put, caches, prefill_caches)
+
+
+def _start_rows(st: _SlotState, free_S, prefill_caches, last_P, n: int) -> _SlotState:
+    """Free slots given the next waiting rows in order (none left: no row, B); a starting row's
+    cache gets its prompt's prefill and it feeds the prompt's last token at t = 0."""
+    b = st.tokens_BxN.shape[0]
+    row_S = jnp.minimum(jnp.where(free_S, st.next_row + jnp.cumsum(free_S) - 1, st.row_S), b)
+    starting_S = free_S & (row_S < b)
+    p_S = jnp.minimum(row_S, b - 1) // n
+    caches = st.caches
+    if prefill_caches is not None:  # L > 1: prompt slots to copy, only when a row starts
+        copy = lambda c: _copy_prefill(c, prefill_caches, starting_S, p_S)
+        caches = jax.lax.cond(starting_S.any(), copy, lambda c: c, caches)
+    return st._replace(
+        row_S=row_S,
+        step_S=jnp.where(free_S, 0, st.step_S),
+        feed_S=jnp.where(free_S, last_P[p_S], st.feed_S),
+        caches=caches,
+        next_row=jnp.minimum(st.next_row + free_S.sum(), b),
+    )
+
+
+def _slot_rollout(model, config: SamplingConfig, n: int, params, prompt_PxL, mask_PxL, u_BxN) -> dict:
+    """The P*n rows decoded by continuous batching in S = `decode_slots` slots (fewer if fewer rows)."""
+    p, l = prompt_PxL.shape
+    n_new, b = config.max_new_tokens, p * n
+    s, c = min(config.decode_slots, b), l - 1 + n_new
+    prefill_caches = None
+    if l > 1:
+        prefill_caches = _constrain_caches(
+            prefill(model, params, prompt_PxL[:, :-1], mask_PxL[:, :-1], l - 1)
+        )
+    readable_PxC = jnp.pad(mask_PxL, ((0, 0), (0, c - l)), constant_values=True)
+    first_pos_P = mask_PxL.sum(-1, dtype=jnp.int32) - 1
+    eos_E = jnp.asarray(config.eos_ids, jnp.int32).reshape(-1)
+
+    def body(st: _SlotState) -> _SlotState:
+        active_S = st.row_S < b
+        row_S = jnp.minimum(st.row_S, b - 1)
+        slot_S = l - 1 + st.step_S
+        attn_SxC = readable_PxC[row_S // n] & (jnp.arange(c) <= slot_S[:, None])
+        positions_S = first_pos_P[row_S // n] + st.step_S
+        logits_SxV, caches = decode_step(model, params, st.feed_S, positions_S, attn_SxC, st.caches, slot_S)
+        token_S, logp_S = sample_token(logits_SxV, u_BxN[row_S, st.step_S], config)
+        ended_S = jnp.isin(token_S, eos_E)
+        done_S = active_S & (ended_S | (st.step_S + 1 == n_new))
+        out_S, fin_S = jnp.where(active_S, st.row_S, b), jnp.where(done_S, st.row_S, b)  # B: dropped
+        st = st._replace(
+            step_S=st.step_S + 1,
+            feed_S=token_S,
+            caches=_constrain_caches(caches),
+            tokens_BxN=st.tokens_BxN.at[out_S, st.step_S].set(token_S, mode="drop"),
+            logp_BxN=st.logp_BxN.at[out_S, st.step_S].set(logp_S, mode="drop"),
+            ended_B=st.ended_B.at[fin_S].set(ended_S, mode="drop"),
+            length_B=st.length_B.at[fin_S].set(st.step_S + 1, mode="drop"),
+        )
+        return _start_rows(st, ~active_S | done_S, prefill_caches, prompt_PxL[:, -1], n)
+
+    idle_S = jnp.full((s,), b, jnp.int32)
+    st = _SlotState(
+        row_S=idle_S,
+        step_S=jnp.zeros((s,), jnp.int32),
+        feed_S=jnp.zeros((s,), jnp.int32),
+        caches=_constrain_caches(init_cache(model.config, s, c)),
+        next_row=jnp.zeros((), jnp.int32),
+        tokens_BxN=jnp.full((b, n_new), config.pad_id, jnp.int32),
+        logp_BxN=jnp.zeros((b, n_new), jnp.float32),
+        ended_B=jnp.zeros((b,), bool),
+        length_B=jnp.zeros((b,), jnp.int32),
+    )
+    st = _start_rows(st, jnp.ones((s,), bool), prefill_caches, prompt_PxL[:, -1], n)
+    st = jax.lax.while_loop(lambda st: jnp.any(st.row_S < b), body, st)
+    return _outputs(st.tokens_BxN, st.logp_BxN, st.ended_B, st.length_B)
+
+
+def rollout(
+    model: Transformer, config: SamplingConfig, n: int, params, prompt_PxL, mask_PxL, uids_P, rng
+) -> dict:
+    """G = `n` completions of each of P left-padded prompts (pure; jitted by `Sampler`): a fixed
+    batch, or continuous batching in `config.decode_slots` slots."""
+    u_BxN = _row_uniforms(rng, uids_P, n, config.max_new_tokens)
+    loop = _slot_rollout if config.decode_slots else _fixed_batch_rollout
+    return loop(model, config, n, params, prompt_PxL, mask_PxL.astype(bool), u_BxN)
 
 
 def rollout_params(params, rollout_model: Transformer, mesh: Mesh):
@@ -332,9 +449,9 @@ def _fit_bucket(prompt_PxL: np.ndarray, mask_PxL: np.ndarray, buckets: tuple[int
 class Sampler:
     """Rollouts of `model` with the trainer's parameters, where they lie on `mesh`.
 
-    One compilation per (prompt bucket, P, G); `num_traces` counts them. With
-    `micro_batch_prompts` a batch is decoded that many prompts at a time, so that the KV cache of
-    micro_batch_prompts x G rows, not of the whole batch, sits beside the weights.
+    One compilation per (prompt bucket, P, G); `num_traces` counts them. The KV cache beside the
+    weights holds `config.decode_slots` rows with continuous batching; with a fixed batch, the
+    whole batch's rows, or with `micro_batch_prompts` that many prompts x G at a time.
     """
 
     def __init__(self, model: Transformer, config: SamplingConfig, mesh: Mesh, micro_batch_prompts: int = 0):
@@ -343,6 +460,11 @@ class Sampler:
         self.num_traces = 0
         self._param_shardings = sharding.param_shardings(model, mesh)
         self._data_size = mesh.shape["data"] * mesh.shape["fsdp"]
+        if config.decode_slots % self._data_size:
+            raise ValueError(
+                f"decode_slots = {config.decode_slots} do not divide over the {self._data_size} "
+                "devices of the data x fsdp mesh axes"
+            )
         self._jitted = {}  # n -> jitted rollout
 
     def _rollout_fn(self, n: int):

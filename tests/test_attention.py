@@ -78,12 +78,13 @@ def test_bfloat16_logits_are_within_tolerance_of_float32(params):
     mask = np.arange(20)[None] >= np.array([[0], [5], [13]])
     attn_BxS = np.concatenate([mask, np.ones((3, 1), bool), np.zeros((3, 11), bool)], axis=1)
     positions_B = mask.sum(1).astype(np.int32)
+    slot_B = np.full((3,), 20, np.int32)
 
     def logits(dtype):
         m = model.Transformer(dataclasses.replace(CONFIG, dtype=dtype))
         teacher = jax.jit(lambda p: model.forward(m, p, tokens, mask))(p)
         caches = jax.jit(lambda p: sampler.prefill(m, p, tokens, mask, 32))(p)
-        step = jax.jit(lambda p, c: sampler.decode_step(m, p, tokens[:, -1], positions_B, attn_BxS, c, 20)[0])
+        step = jax.jit(lambda p, c: sampler.decode_step(m, p, tokens[:, -1], positions_B, attn_BxS, c, slot_B)[0])
         return np.asarray(teacher)[mask], np.asarray(step(p, caches))
 
     for got, want in zip(logits("bfloat16"), logits("float32")):

@@ -54,14 +54,15 @@ def test_cached_decode_equals_teacher_forced_forward(fixture, request, single):
     full_mask = np.concatenate([mask, np.ones_like(follow, bool)], 1)
     ref_BxTxV = np.asarray(model.forward(m, params, full_tokens, full_mask))
 
-    s = 32  # a cache (one key tile) longer than needed: the unused slots must stay unread
+    s = 32  # a cache longer than needed: the unused slots must stay unread
     caches = jax.jit(lambda p, t, k: sampler.prefill(m, p, t, k, s))(params, prompt[:, :-1], mask[:, :-1])
     step = jax.jit(lambda p, *args: sampler.decode_step(m, p, *args))
     readable_BxS = np.concatenate([mask, np.ones((3, s - 8), bool)], 1)
     feed_BxT = full_tokens[:, 7:]
     for t in range(feed_BxT.shape[1]):
         attn_BxS = readable_BxS & (np.arange(s) <= 7 + t)
-        logits_BxV, caches = step(params, feed_BxT[:, t], mask.sum(1) - 1 + t, attn_BxS, caches, 7 + t)
+        slot_B = np.full(3, 7 + t, np.int32)
+        logits_BxV, caches = step(params, feed_BxT[:, t], mask.sum(1) - 1 + t, attn_BxS, caches, slot_B)
         np.testing.assert_allclose(np.asarray(logits_BxV), ref_BxTxV[:, 7 + t], atol=1e-4, rtol=1e-4)
 
 
@@ -254,3 +255,34 @@ def test_rollout_params_reshard_to_a_tensor_parallel_mesh(qwen2_dir):
         moved,
         params,
     )
+
+
+def test_continuous_batching_equals_the_fixed_batch(qwen2, single):
+    """Rows of mixed lengths (ends and truncations), prompts of mixed lengths: every slot count
+    gives each row the fixed batch's tokens, log-probs, lengths and ends, whatever slots it gets."""
+    m, params = qwen2
+    prompt, mask = _prompts([8, 3, 6, 1, 5], 8, seed=8)
+    cfg = _config(eos_ids=tuple(range(3, 11)), temperature=0.8, top_k=40)
+    generate = lambda slots: jax.device_get(
+        sampler.Sampler(m, dataclasses.replace(cfg, decode_slots=slots), single).generate(
+            params, prompt, mask, 3, jax.random.key(5), uids_P=[4, 1, 7, 2, 9]
+        )
+    )
+    fixed = generate(0)
+    lengths = fixed["length"]
+    assert fixed["truncated"].any() and len(set(lengths[~fixed["truncated"]].tolist())) > 3
+    for slots in (1, 4, 64):  # one slot serves every row in turn; 64: more slots than rows
+        out = generate(slots)
+        for k in ("tokens", "length", "truncated", "mask"):
+            np.testing.assert_array_equal(out[k], fixed[k], err_msg=f"{k}, {slots} slots")
+        np.testing.assert_allclose(out["logp"], fixed["logp"], atol=1e-6, err_msg=f"{slots} slots")
+
+
+def test_decode_slots_are_checked(qwen2):
+    m, _ = qwen2
+    with pytest.raises(ValueError, match="decode_slots must be >= 0"):
+        _config(decode_slots=-1)
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    with pytest.raises(ValueError, match="decode_slots = 6 do not divide over the 4 devices"):
+        sampler.Sampler(m, _config(decode_slots=6), mesh)
+    sampler.Sampler(m, _config(decode_slots=8), mesh)
