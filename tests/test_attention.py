@@ -84,7 +84,9 @@ def test_bfloat16_logits_are_within_tolerance_of_float32(params):
         m = model.Transformer(dataclasses.replace(CONFIG, dtype=dtype))
         teacher = jax.jit(lambda p: model.forward(m, p, tokens, mask))(p)
         caches = jax.jit(lambda p: sampler.prefill(m, p, tokens, mask, 32))(p)
-        step = jax.jit(lambda p, c: sampler.decode_step(m, p, tokens[:, -1], positions_B, attn_BxS, c, slot_B)[0])
+        step = jax.jit(
+            lambda p, c: sampler.decode_step(m, p, tokens[:, -1], positions_B, attn_BxS, c, slot_B)[0]
+        )
         return np.asarray(teacher)[mask], np.asarray(step(p, caches))
 
     for got, want in zip(logits("bfloat16"), logits("float32")):
