@@ -44,8 +44,10 @@ How each implementation is run (each in its own process and virtualenv, threads 
   rollout + rewards (`_generate_and_compute_advantage`), update s = the rest.
 
 Then a roofline of our step: the measured dense f32 matmul rate (jax, 1024^3, in our process)
-against our step's FLOPs (2 x matmul parameters per token forward, x 3 for the update, plus the
-attention scores), as the fraction of that rate that generation and the update achieve.
+against the least FLOPs our step needs (`step_flops`: a token's forward is 2 x the matmul
+parameters plus the attention scores; generation = one prefill a prompt + a forward a generated
+token; update = 3 x the forward over every row's tokens), as the fraction of that rate that
+generation and the update achieve.
 """
 
 import argparse
@@ -148,28 +150,36 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def forward_flops(hf: dict, matmul_params: int, rows: int, prompt: int, response: float) -> float:
-    """FLOPs of one causal forward over `rows` rows of prompt + response tokens: 2 x the matmul
-    parameters per token, plus QK^T and AV (4 x heads x head_dim x context per layer and token,
-    the context averaging half the row's length)."""
-    tokens = prompt + response
-    attention = 4 * hf["num_hidden_layers"] * hf["num_attention_heads"] * hf["head_dim"] * tokens / 2
-    return rows * tokens * (2 * matmul_params + attention)
+def token_flops(hf: dict, matmul_params: int, context: float) -> float:
+    """FLOPs of one token's forward: 2 x the matmul parameters, plus QK^T and AV over `context`
+    earlier positions (4 x heads x head_dim x context a layer)."""
+    heads = hf["num_hidden_layers"] * hf["num_attention_heads"] * hf["head_dim"]
+    return 2 * matmul_params + 4 * heads * context
 
 
-def roofline(hf: dict, ours: dict, n_rows: int, prompt_len: int) -> str:
+def step_flops(hf: dict, prompts: int, group: int, prompt_len: int, response: float) -> tuple[float, float]:
+    """(generation, update) FLOPs of a step, the least work each needs: generation = one
+    prefill a prompt (its G rows share it) + one forward a generated token; update = forward +
+    backward (3 x forward) over every row's prompt and response tokens, causal (the context
+    averages half the row)."""
+    n = num_params(hf) - hf["vocab_size"] * hf["hidden_size"]  # the input embedding is a lookup
+    rows, length = prompts * group, prompt_len + response
+    prefill = prompts * prompt_len * token_flops(hf, n, prompt_len / 2)
+    decode = rows * response * token_flops(hf, n, prompt_len + response / 2)
+    return prefill + decode, 3 * rows * length * token_flops(hf, n, length / 2)
+
+
+def roofline(hf: dict, ours: dict, prompts: int, group: int, prompt_len: int) -> str:
     """Our generation and update against the matmul rate measured in our process."""
-    embed = hf["vocab_size"] * hf["hidden_size"]
-    total = num_params(hf)
+    total, embed = num_params(hf), hf["vocab_size"] * hf["hidden_size"]
     peak = ours["settings"]["matmul_gflops"] * 1e9
-    response = ours["tokens"] / n_rows
-    fwd = forward_flops(hf, total - embed, n_rows, prompt_len, response)
-    gen, upd = fwd, 3 * fwd  # sampling: one forward a token (prefill + decode); update: fwd + bwd
+    response = ours["tokens"] / (prompts * group)
+    gen, upd = step_flops(hf, prompts, group, prompt_len, response)
     return "\n".join(
         [
             f"roofline: dense f32 matmul {peak / 1e9:.1f} GFLOP/s (jax, 1024^3, this run); "
             f"{total:,} parameters, {total - embed:,} in matmuls; "
-            f"{n_rows} rows x ({prompt_len} prompt + {response:.1f} response tokens)",
+            f"{prompts} x {group} rows x ({prompt_len} prompt + {response:.1f} response tokens)",
             _achieved("generation", gen, ours["gen_s"], peak),
             _achieved("update:    ", upd, ours["update_s"], peak),
             f"  floor at the matmul rate: generation {gen / peak:.3f} s, update {upd / peak:.3f} s, "
@@ -249,7 +259,7 @@ def main():
         print(f"{name}: {json.dumps(r['settings'])}")
     print(table(results))
     if "ours" in results:
-        print(roofline(hf, results["ours"], args.prompts * args.group_size, len(spec["prompts"][0])))
+        print(roofline(hf, results["ours"], args.prompts, args.group_size, len(spec["prompts"][0])))
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"spec": spec, "results": results}, f, indent=1)
