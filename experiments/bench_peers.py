@@ -147,6 +147,8 @@ def table(results: dict) -> str:
                 f" {r['update_s'] / ours['update_s']:10.2f} {r['peak_rss_mib'] / ours['peak_rss_mib']:10.2f}"
             )
         lines.append(line)
+    if ours:
+        lines.append("x ours: the figure over ours (times and RSS: above 1 = ours faster or smaller)")
     return "\n".join(lines)
 
 
@@ -219,11 +221,17 @@ def parse_args():
     p.add_argument("--tunix_python", default="/work/peers/tunix/bin/python")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per implementation")
     p.add_argument("--json_out", default="", help="also write every result to this JSON file")
+    p.add_argument("--json_in", default="", help="print the report of a --json_out file; run nothing")
     return p.parse_args()
 
 
 def main():
     args = parse_args()
+    if args.json_in:
+        with open(args.json_in) as f:
+            saved = json.load(f)
+        report(saved["hf_config"], saved["spec"], saved["results"])
+        return
     work = tempfile.mkdtemp(prefix="bench_peers_")
     model_dir = os.path.join(work, "model")
     hf = build_model(model_dir, args.seed)
@@ -255,14 +263,20 @@ def main():
         result = run_peer(name, pythons[name], spec_path, work, args.timeout)
         if result is not None:
             results[name] = result
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"hf_config": hf, "spec": spec, "results": results}, f, indent=1)
+    report(hf, spec, results)
+
+
+def report(hf: dict, spec: dict, results: dict) -> None:
+    """Prints each implementation's settings, the table and our roofline."""
     for name, r in results.items():
         print(f"{name}: {json.dumps(r['settings'])}")
     print(table(results))
     if "ours" in results:
-        print(roofline(hf, results["ours"], args.prompts, args.group_size, len(spec["prompts"][0])))
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump({"spec": spec, "results": results}, f, indent=1)
+        prompts = spec["prompts"]
+        print(roofline(hf, results["ours"], len(prompts), spec["group_size"], len(prompts[0])))
 
 
 if __name__ == "__main__":
