@@ -267,6 +267,8 @@ def main():
         with open(args.json_out, "w") as f:
             json.dump({"hf_config": hf, "spec": spec, "results": results}, f, indent=1)
     report(hf, spec, results)
+    if len(results) < len(args.impls.split(",")):
+        sys.exit("some implementations failed: see their logs above")
 
 
 def report(hf: dict, spec: dict, results: dict) -> None:

@@ -74,8 +74,9 @@ def test_our_runner_end_to_end(tmp_path):
     cmd = [sys.executable, os.path.join(REPO, "experiments", "bench_peers.py"), "--impls", "ours"]
     cmd += ["--steps", "1", "--warmup", "0", "--max_new_tokens", "8", "--prompts", "2", "--group_size", "2"]
     cmd += ["--json_out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, check=False)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the real device, not 8 fakes
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, check=False)
+    assert proc.returncode == 0 and "ours FAILED" not in proc.stdout, proc.stdout + proc.stderr
     ours = json.loads(out.read_text())["results"]["ours"]
     assert len(ours["steps"]) == 1
     assert 0 < ours["tokens"] <= 2 * 2 * 8
