@@ -1,0 +1,67 @@
+"""The reference workload that `bench_peers.py` runs on every implementation: the prompts, the
+reward, the spec file and the one JSON line a runner prints. Standard library only: each peer's
+virtualenv imports it (the runners put this folder on `sys.path`).
+"""
+
+import json
+import resource
+import statistics
+import sys
+
+DIGITS = "0123456789"
+
+
+def prompts(n: int) -> list[str]:
+    """`n` distinct prompts of one length (18 characters), so no implementation pads them."""
+    return [f"What is {100 + 37 * i:3d} + {200 + 53 * i:3d}?" for i in range(n)]
+
+
+def digit_fraction(response: str) -> float:
+    """The reward of a response: the share of its characters that are digits, in [0, 1].
+    Deterministic, cheap, and spread out on a random model's samples."""
+    return sum(ch in DIGITS for ch in response) / max(len(response), 1)
+
+
+def char_reward(response: str, ground_truth: str, *, data_source: str = "", extra_info=None) -> float:
+    """`digit_fraction` as a dapo_jax reward plug-in (`reward.fn = ".../workload.py:char_reward"`)."""
+    del ground_truth, data_source, extra_info
+    return digit_fraction(response)
+
+
+def read_spec(path: str) -> dict:
+    """The workload a runner is given (written by `bench_peers.py`): model_dir, prompts,
+    group_size, max_new_tokens, warmup, steps, lr, weight_decay, grad_clip, seed, threads."""
+    with open(path) as f:
+        return json.load(f)
+
+
+def check_round_trip(tokenizer) -> None:
+    """Exits when the tokenizer does not encode and decode a string with spaces exactly (a
+    character tokenizer loaded as Qwen2Tokenizer drops them)."""
+    text = "What is 1 + 2?  A  b\nc"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    back = tokenizer.decode(ids)
+    if back != text or len(ids) != len(text):
+        sys.exit(f"tokenizer round trip failed: {text!r} -> {len(ids)} ids -> {back!r}")
+
+
+def peak_rss_mib() -> float:
+    """The peak resident set size of this process so far, MiB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def emit(impl: str, spec: dict, steps: list[dict], settings: dict) -> None:
+    """Prints the runner's one JSON line: per timed step gen_s, update_s, step_s and the
+    response tokens generated (= trained: every response token is in the loss), the medians, the
+    peak RSS and the implementation's settings."""
+    timed = steps[spec["warmup"] :]
+    result = {
+        "impl": impl,
+        "steps": timed,
+        "warmup_steps": steps[: spec["warmup"]],
+        "peak_rss_mib": peak_rss_mib(),
+        "settings": settings,
+    }
+    for key in ("step_s", "gen_s", "update_s", "tokens"):
+        result[key] = statistics.median(s[key] for s in timed)
+    print("BENCH_JSON " + json.dumps(result), flush=True)
