@@ -54,6 +54,11 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
         max_new_tokens=20480,  # L_max
         micro_batch_prompts=32,  # prompts decoded at once: 512 rows' bf16 KV cache
         decode_slots=0,  # rows decoded at once by continuous batching (0: a fixed batch)
+        # the sampler's weights: bf16, tensor-parallel over 8 chips and replicated over the rest
+        # (fewer bytes per decoded token than the trainer's FSDP layout and no all-gather:
+        # `python -m dapo_jax.aot`, docs/tpu_32b_plan.md)
+        tensor_parallel=8,
+        param_dtype="bfloat16",
     )
     c.reward = common.dapo_reward(overlong_buffer=4096)
     c.filter = common.dynamic_sampling(gen_batch_prompts=1536, max_num_gen_batches=10)
@@ -101,6 +106,7 @@ def qwen2_5_7b() -> ml_collections.ConfigDict:
     c = qwen2_5_32b()
     c.model.path = "/ckpt/Qwen2.5-7B"
     c.mesh = dict(data=1, fsdp=-1, tensor=4)
+    c.rollout.tensor_parallel = 4
     c.train.micro_batch_size = 32  # at 64 the train step needed 96.2 GiB per v5p chip
     return c
 
@@ -112,6 +118,7 @@ def qwen3_8b() -> ml_collections.ConfigDict:
     c = qwen2_5_32b()
     c.model.path = "/ckpt/Qwen3-8B-Base"
     c.mesh = dict(data=1, fsdp=-1, tensor=4)  # 8 KV heads: 2 on each tensor shard
+    c.rollout.tensor_parallel = 4
     c.train.micro_batch_size = 32
     return c
 
@@ -150,6 +157,8 @@ def tiny() -> ml_collections.ConfigDict:
         max_new_tokens=96,  # L_max; worked solutions take up to ~75 tokens
         micro_batch_prompts=0,  # the whole generation batch at once
         decode_slots=0,  # rows decoded at once by continuous batching (0: a fixed batch)
+        tensor_parallel=0,  # the sampler's mesh: data x tensor (0: the trainer's mesh and weights)
+        param_dtype="",  # the sampler's weight dtype ("": the trainer's)
     )
     c.reward = common.dapo_reward(overlong_buffer=16)
     c.filter = common.dynamic_sampling(gen_batch_prompts=64, max_num_gen_batches=4)

@@ -7,6 +7,7 @@ Every knob comes from the config (configs/*.py); nothing here has a default of i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import os
 
@@ -30,7 +31,7 @@ from dapo_jax import (
     train_step,
 )
 from dapo_jax.errors import ConfigError
-from dapo_jax.sampler import Sampler, SamplingConfig
+from dapo_jax.sampler import Sampler, SamplingConfig, rollout_params
 
 # The range of every numeric knob, as an interval: "[a, b)" includes a and excludes b.
 _RANGES = {
@@ -80,6 +81,7 @@ _RANGES = {
     "model.logits_chunk": "[0, inf)",
     "rollout.micro_batch_prompts": "[0, inf)",
     "rollout.decode_slots": "[0, inf)",
+    "rollout.tensor_parallel": "[0, inf)",
 }
 
 
@@ -155,6 +157,11 @@ def check_config(c: ml_collections.ConfigDict) -> None:
             "jax.checkpoint_policies name (e.g. nothing_saveable)"
         )
     _check_old_logp(c)
+    if c.rollout.param_dtype not in ("", "float32", "bfloat16"):
+        raise ConfigError(
+            f"rollout.param_dtype {c.rollout.param_dtype!r} is not '' (the trainer's), "
+            "'float32' or 'bfloat16'"
+        )
     if c.loss.agg_mode not in objective.AGG_MODES:
         raise ConfigError(f"loss.agg_mode {c.loss.agg_mode!r} is not one of {objective.AGG_MODES}")
     for section, make in (
@@ -191,6 +198,11 @@ def _check_old_logp(c: ml_collections.ConfigDict) -> None:
             "loss.old_logp 'detached' needs one update per rollout batch (train.mini_batch_prompts "
             f"= train.train_batch_prompts), got {c.train.train_batch_prompts // c.train.mini_batch_prompts} "
             "updates: use 'recompute' or 'sampler'"
+        )
+    if mode == "sampler" and c.rollout.param_dtype not in ("", c.model.param_dtype):
+        raise ConfigError(
+            f"loss.old_logp 'sampler' with rollout.param_dtype {c.rollout.param_dtype!r}: the sampler's "
+            f"log-probs are not pi_old of the {c.model.param_dtype} weights: use 'recompute' or 'detached'"
         )
     if mode != "recompute" and c.filter.carry_over:
         raise ConfigError(
@@ -241,6 +253,7 @@ class Run:
     logprobs_fn: object  # (params, tokens, mask) -> log pi(token_t | tokens_<t)
     sampler: Sampler
     eval_sampler: Sampler
+    rollout_weights: object  # trainer params -> the samplers' params (`sampler_weights`)
     scorer: rewards.RewardScorer
     shaping: rollout.RewardShaping
     train_examples: list  # in load order; `data.PromptIterator` draws from them
@@ -368,14 +381,17 @@ def build(c: ml_collections.ConfigDict, workdir: str) -> Run:
         top_k=c.rollout.top_k,
         decode_slots=c.rollout.decode_slots,
     )
+    sampler_model, sampler_mesh, rollout_weights = sampler_weights(c, m, mesh)
     sampler = Sampler(
-        m,
+        sampler_model,
         SamplingConfig(temperature=c.rollout.temperature, top_p=c.rollout.top_p, **sampling),
-        mesh,
+        sampler_mesh,
         c.rollout.micro_batch_prompts,
     )
     eval_sampler = Sampler(
-        m, SamplingConfig(temperature=c.eval.temperature, top_p=c.eval.top_p, **sampling), mesh
+        sampler_model,
+        SamplingConfig(temperature=c.eval.temperature, top_p=c.eval.top_p, **sampling),
+        sampler_mesh,
     )
     optimizer, schedule = make_optimizer(c)
     loss_cfg = loss_config(c)
@@ -413,11 +429,30 @@ def build(c: ml_collections.ConfigDict, workdir: str) -> Run:
         logprobs_fn,
         sampler,
         eval_sampler,
+        rollout_weights,
         scorer,
         shaping,
         train_examples,
         eval_examples,
         ref_params,
+    )
+
+
+def sampler_weights(c: ml_collections.ConfigDict, m: model.Transformer, mesh):
+    """`(model, mesh, weights)` of the samplers: the trainer's model, mesh and params as they lie,
+    or with `rollout.tensor_parallel` = N a mesh of data x N-way tensor (no fsdp: no weight is
+    gathered per decoded token) over the same devices, weights in `rollout.param_dtype`, made
+    from the trainer's params once per step (`sampler.rollout_params`)."""
+    dtype = c.rollout.param_dtype or m.config.param_dtype
+    if not c.rollout.tensor_parallel and dtype == m.config.param_dtype:
+        return m, mesh, lambda params: params
+    tp = c.rollout.tensor_parallel or mesh.shape["tensor"]
+    rollout_mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": tp})
+    rollout_model = model.Transformer(dataclasses.replace(m.config, param_dtype=dtype, remat=False))
+    return (
+        rollout_model,
+        rollout_mesh,
+        functools.partial(rollout_params, rollout_model=rollout_model, mesh=rollout_mesh),
     )
 
 

@@ -258,7 +258,7 @@ def evaluate(run: Run, params, step: int, sample_rows: list | None = None, ks=No
     t0 = time.time()
     result = rollout.evaluate(
         run.eval_sampler,
-        params,
+        run.rollout_weights(params),
         run.eval_examples,
         run.config.eval.samples,
         jax.random.fold_in(jax.random.key(run.config.seed + 1), step),
@@ -382,7 +382,7 @@ def _step(
     `loss.old_logp`), the updates; (state, metrics, the train batch)."""
     c = run.config
     t0 = time.time()
-    batch, filter_stats = _sample_train_batch(run, state.params, prompts, filt, step)
+    batch, filter_stats = _sample_train_batch(run, run.rollout_weights(state.params), prompts, filt, step)
     t_rollout = time.time() - t0
     host = _rollout(batch, c.rollout.group_size, c.loss.normalize_std, c.train.length_bucket)
     prompt_width = _prompt_width(batch, c.train.length_bucket)

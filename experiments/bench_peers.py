@@ -217,12 +217,31 @@ def parse_args():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--impls", default="ours,trl,tunix", help="comma-separated subset of ours,trl,tunix")
     p.add_argument("--ours_python", default=sys.executable)
+    p.add_argument(
+        "--ours_set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a dotted override of our config (repeatable), e.g. loss.old_logp=detached; VALUE is JSON "
+        "or a bare string",
+    )
     p.add_argument("--trl_python", default="/work/peers/trl/bin/python")
     p.add_argument("--tunix_python", default="/work/peers/tunix/bin/python")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per implementation")
     p.add_argument("--json_out", default="", help="also write every result to this JSON file")
     p.add_argument("--json_in", default="", help="print the report of a --json_out file; run nothing")
     return p.parse_args()
+
+
+def parse_override(text: str) -> tuple[str, object]:
+    """`("section.key", value)` of a `--ours_set KEY=VALUE`: VALUE read as JSON, else as a string."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        sys.exit(f"--ours_set {text!r}: expected KEY=VALUE, e.g. loss.old_logp=detached")
+    try:
+        return key, json.loads(raw)
+    except json.JSONDecodeError:
+        return key, raw
 
 
 def main():
@@ -247,6 +266,7 @@ def main():
         "grad_clip": 1.0,
         "seed": args.seed,
         "threads": os.cpu_count(),
+        "ours_overrides": dict(parse_override(o) for o in args.ours_set),
     }
     spec_path = os.path.join(work, "spec.json")
     with open(spec_path, "w") as f:

@@ -98,6 +98,15 @@ def test_out_of_range_value_is_named(key, value, message):
             "loss.old_logp 'sampler' with filter.carry_over: carried groups were sampled before the "
             "last update, so pi_old of them must be recomputed: use loss.old_logp 'recompute'",
         ),
+        (
+            {"loss.old_logp": "sampler", "rollout.param_dtype": "bfloat16"},
+            "loss.old_logp 'sampler' with rollout.param_dtype 'bfloat16': the sampler's log-probs are "
+            "not pi_old of the float32 weights: use 'recompute' or 'detached'",
+        ),
+        (
+            {"rollout.param_dtype": "int8"},
+            "rollout.param_dtype 'int8' is not '' (the trainer's), 'float32' or 'bfloat16'",
+        ),
     ],
 )
 def test_old_logp_without_a_recompute_must_be_exact(settings, message):

@@ -118,8 +118,12 @@ def test_warm_up_counts_rollout_steps_and_the_first_update_learns():
         ("dapo", lambda: dapo.get_config("tiny")),
         (
             "grpo_kl",
-            lambda: small(
-                grpo.get_config("tiny"), loss__beta=0.001, reference__path=dapo.get_config("tiny").model.path
+            lambda: small(  # also samples with bf16 weights on a data x tensor mesh of their own
+                grpo.get_config("tiny"),
+                loss__beta=0.001,
+                reference__path=dapo.get_config("tiny").model.path,
+                rollout__tensor_parallel=2,
+                rollout__param_dtype="bfloat16",
             ),
         ),
     ],
@@ -130,6 +134,7 @@ def test_small_variant_runs_one_step(name, config, tmp_path):
     assert math.isfinite(summary["actor/pg_loss"]) and summary["actor/grad_norm"] > 0
     if name == "grpo_kl":
         assert summary["dynamic_sampling/gen_batches"] == 1 and summary["actor/kl_ref"] >= 0
+        assert 1e-4 < summary["rollout/logp_diff_max"] < 0.5  # bf16 sampler against the f32 trainer
     else:
         assert "actor/kl_ref" not in summary
     records = metrics.read_jsonl(str(tmp_path / "metrics.jsonl"))

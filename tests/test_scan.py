@@ -52,7 +52,11 @@ def test_scanned_logits_and_gradients_equal_unrolled(fixture, request, single):
 
     g_unrolled = model.stack_layers(jax.grad(loss(unrolled))(params), unrolled.config.num_layers)
     g_scanned = jax.grad(loss(scanned))(stacked)
-    jax.tree.map(_close, g_scanned, g_unrolled)
+    # The gradients sum over every token: 1e-5 of each leaf's largest entry, not 1e-5 absolute
+    # (one Qwen3 entry was off by 1.6e-5: the two programs sum in different orders).
+    for a, b in zip(jax.tree.leaves(g_scanned), jax.tree.leaves(g_unrolled)):
+        b = np.asarray(b)
+        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-5 * max(1.0, np.abs(b).max()))
 
 
 def test_hf_folder_loads_stacked_and_round_trips(qwen2_dir, single, tmp_path):

@@ -60,7 +60,9 @@ def config(spec: dict, data_file: str):
     c.eval.update(every=0, at_start=False)
     c.metrics.update(writers="jsonl", completions_every=0)
     c.seed = spec["seed"]
-    return c
+    from dapo_jax import overrides  # pylint: disable=import-outside-toplevel
+
+    return overrides.apply(c, spec.get("ours_overrides", {}))
 
 
 def matmul_gflops(n: int = 1024, reps: int = 20) -> float:
@@ -115,6 +117,7 @@ def main():
         "jax": jax.__version__,
         "dtype": f"{c.model.dtype} compute, {c.model.param_dtype} params",
         "config": "configs/dapo.py:tiny + the workload's overrides",
+        "overrides": spec.get("ours_overrides", {}),
         "micro_batch_size": c.train.micro_batch_size,
         "length_bucket": c.train.length_bucket,
         "matmul_gflops": matmul_gflops(),
