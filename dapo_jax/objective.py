@@ -1,6 +1,6 @@
 """DAPO's objective as pure maths: group-relative advantages, the clipped policy loss, aggregation.
 
-Symbols (DAPO_SPEC sections 1-3): G responses per prompt, A_i the advantage of response o_i,
+Symbols (docs/dapo_spec.md sections 1-3): G responses per prompt, A_i the advantage of response o_i,
 r_{i,t} = pi_theta(o_{i,t}) / pi_old(o_{i,t}) the per-token importance ratio, m_{i,t} the mask of
 the tokens that carry loss, ε_low / ε_high the clip range (Clip-Higher), c the dual-clip constant,
 β the KL coefficient. Per-token arrays are `_BxT`, per-response arrays `_B`.

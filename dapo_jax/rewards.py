@@ -1,4 +1,4 @@
-r"""Rule-based rewards (DAPO spec sections 4 and 6). Host code on strings and numpy; no jax.
+r"""Rule-based rewards (docs/dapo_spec.md sections 4 and 6). Host code on strings and numpy; no jax.
 
 Score of one response o_i against its ground truth:
   math_dapo:   the DAPO recipe's scorer, rule for rule (verl `verl/utils/reward_score/math_dapo.py`
@@ -274,7 +274,7 @@ def get_reward_fn(name: str):
 
 
 def overlong_penalty(length: int, max_len: int, buffer_len: int, factor: float = 1.0) -> float:
-    """Soft overlong punishment (spec section 4); lengths in tokens, L = |o_i| including EOS.
+    """Soft overlong punishment (docs/dapo_spec.md section 4); lengths in tokens, L = |o_i| including EOS.
 
     expected = L_max - L_buf;  penalty = min(-(L - expected) / L_buf * factor, 0).
     """
@@ -295,7 +295,7 @@ def overlong_penalties(
 
 
 def overlong_filter_mask(truncated_B, enabled: bool = True) -> np.ndarray:
-    """Overlong filtering (spec section 4): per-response keep mask, False where truncated.
+    """Overlong filtering (docs/dapo_spec.md section 4): per-response keep mask, False where truncated.
 
     Truncated = no EOS within L_max. All True when not `enabled`. The trainer applies it to the
     token mask: mask_BxT & keep_B[:, None].

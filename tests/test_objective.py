@@ -133,7 +133,8 @@ def test_unknown_agg_mode_and_missing_norm_const_are_errors():
 
 
 def _worked_example_grad(lengths, agg_mode, norm_const=None):
-    """|d loss / d logp| on every response token of DAPO_SPEC section 3's group of four."""
+    """|d loss / d logp| on every response token of a group of four (A = +1, +1, -1, -1), the
+    aggregation of docs/dapo_spec.md section 3."""
     mask = np.arange(max(lengths))[None, :] < np.array(lengths)[:, None]
     adv = np.array([1.0, 1.0, -1.0, -1.0])
     logp = jnp.full(mask.shape, -1.0)
