@@ -449,8 +449,6 @@ def analyse(c, topology: str, hbm_gib: float | None, programs) -> tuple[list[dic
     hbm_gib = chip.hbm_gib if hbm_gib is None else hbm_gib
     mesh = sharding.make_mesh(c.mesh, devices)
     cfg = model_config(c)
-    if kind == "cpu" and cfg.compute_dtype == jnp.bfloat16:
-        cfg = dataclasses.replace(cfg, dtype="float32")  # XLA:CPU lacks some bf16 dots
     m, shapes = model.Transformer(cfg), run_shapes(c)
     print(
         f"{topology}: {len(devices)} chips, mesh {dict(mesh.shape)}, {cfg.num_params() / 1e9:.2f}"
