@@ -1,7 +1,8 @@
 # Quick start: `make demo` runs the main job, `make test` runs the tests (CI: the full suite,
 # lint and format checks first), `make test-fast` the edit loop's tier (no test marked slow:
 # the maths, rewards, data, filter, model parity and one rollout-and-update smoke check; its
-# budget is 2 minutes on 2 CPU cores). Both print their slowest tests. All create .venv first.
+# budget is 2 minutes on 2 CPU cores). Both run a test process per core (pytest-xdist) and
+# print their slowest tests. All create .venv first.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -21,10 +22,10 @@ demo: venv
 test: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q -n auto --durations=15 tests
 
 test-fast: venv
-	$(PY) -m pytest -q -m "not slow" --durations=10 tests
+	$(PY) -m pytest -q -n auto -m "not slow" --durations=10 tests
 
 clean:
 	rm -rf $(VENV) runs

@@ -29,9 +29,11 @@ setuptools.setup(
         # torch is only the reference implementation in parity tests; 2.13.0 is the CPU wheel.
         # wandb and tensorboard (the viewer of the event files that tensorboardX writes) are
         # in the test extra so that the wandb writer's test runs and `tensorboard --logdir`
-        # works in the project's virtualenv; ruff is the linter (ruff.toml).
+        # works in the project's virtualenv; ruff is the linter (ruff.toml); pytest-xdist runs
+        # the tests on every core (the suite is mostly single-threaded XLA compiles).
         "test": [
             "pytest>=8,<10",
+            "pytest-xdist>=3.6,<4",
             "torch==2.13.0",
             "math-verify>=0.9,<1",
             "wandb>=0.31,<1",

@@ -7,7 +7,8 @@ set -euo pipefail
 source "$(dirname "$0")/common.sh"
 if [ "${1:-}" = --dry-run ]; then DRY_RUN=1; shift; fi
 expect_args 2 "[--dry-run] NAME ZONE" "$@"
-# Only a pid that still runs dapo_jax.train (not a recycled one).
+# Only a pid that still runs dapo_jax.train (not a recycled one); -ww: the whole command line,
+# not the first 80 columns (a long venv path would hide the module).
 on_workers "$1" "$2" all "PID=\$(cat $REMOTE_LOGS/train.pid 2>/dev/null) &&
-ps -p \"\$PID\" -o args= | grep -q dapo_jax.train && kill -TERM \"\$PID\" &&
+ps -ww -p \"\$PID\" -o args= | grep -q dapo_jax.train && kill -TERM \"\$PID\" &&
 echo \"\$(hostname): SIGTERM sent to \$PID\" || echo \"\$(hostname): no run\""
