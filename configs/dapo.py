@@ -59,6 +59,7 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
         # `python -m dapo_jax.aot`, docs/tpu_32b_plan.md)
         tensor_parallel=8,
         param_dtype="bfloat16",
+        dtype="",  # the sampler's compute dtype ("": the trainer's, model.dtype)
     )
     c.reward = common.dapo_reward(overlong_buffer=4096)
     c.filter = common.dynamic_sampling(gen_batch_prompts=1536, max_num_gen_batches=10)
@@ -82,6 +83,7 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
         mini_batch_prompts=32,  # 32 x 16 = 512 responses: 16 updates per step
         micro_batch_size=16,  # responses per micro-batch: at 32, 0.5 GiB past v5p's HBM
         length_bucket=2048,  # train on responses cut to a multiple of this length
+        sort_micro_batches=False,  # see tiny(); the AOT figures are of the one-program step
         max_consecutive_nonfinite=5,  # stop (with a checkpoint) after this many skipped updates
     )
     c.checkpoint = dict(every=10, keep=3, asynchronous=True)
@@ -159,6 +161,7 @@ def tiny() -> ml_collections.ConfigDict:
         decode_slots=0,  # rows decoded at once by continuous batching (0: a fixed batch)
         tensor_parallel=0,  # the sampler's mesh: data x tensor (0: the trainer's mesh and weights)
         param_dtype="",  # the sampler's weight dtype ("": the trainer's)
+        dtype="",  # the sampler's compute dtype ("": the trainer's, model.dtype)
     )
     c.reward = common.dapo_reward(overlong_buffer=16)
     c.filter = common.dynamic_sampling(gen_batch_prompts=64, max_num_gen_batches=4)
@@ -183,6 +186,10 @@ def tiny() -> ml_collections.ConfigDict:
         mini_batch_prompts=8,  # 8 x 8 = 64 responses: 4 updates per step
         micro_batch_size=64,  # responses per gradient-accumulation micro-batch
         length_bucket=16,  # train on responses cut to a multiple of this length
+        # Rows sorted by length into micro-batches, each cut to its own width (a multiple of
+        # length_bucket): the padding trained follows each micro-batch's longest row, not the
+        # mini-batch's; one gradient program per width (train_step.make_length_sorted_train_step).
+        sort_micro_batches=False,
         max_consecutive_nonfinite=5,  # stop (with a checkpoint) after this many skipped updates
     )
     c.checkpoint = dict(every=5, keep=3, asynchronous=True)

@@ -157,11 +157,11 @@ def check_config(c: ml_collections.ConfigDict) -> None:
             "jax.checkpoint_policies name (e.g. nothing_saveable)"
         )
     _check_old_logp(c)
-    if c.rollout.param_dtype not in ("", "float32", "bfloat16"):
-        raise ConfigError(
-            f"rollout.param_dtype {c.rollout.param_dtype!r} is not '' (the trainer's), "
-            "'float32' or 'bfloat16'"
-        )
+    for key in ("param_dtype", "dtype"):
+        if c.rollout[key] not in ("", "float32", "bfloat16"):
+            raise ConfigError(
+                f"rollout.{key} {c.rollout[key]!r} is not '' (the trainer's), 'float32' or 'bfloat16'"
+            )
     if c.loss.agg_mode not in objective.AGG_MODES:
         raise ConfigError(f"loss.agg_mode {c.loss.agg_mode!r} is not one of {objective.AGG_MODES}")
     for section, make in (
@@ -199,11 +199,12 @@ def _check_old_logp(c: ml_collections.ConfigDict) -> None:
             f"= train.train_batch_prompts), got {c.train.train_batch_prompts // c.train.mini_batch_prompts} "
             "updates: use 'recompute' or 'sampler'"
         )
-    if mode == "sampler" and c.rollout.param_dtype not in ("", c.model.param_dtype):
-        raise ConfigError(
-            f"loss.old_logp 'sampler' with rollout.param_dtype {c.rollout.param_dtype!r}: the sampler's "
-            f"log-probs are not pi_old of the {c.model.param_dtype} weights: use 'recompute' or 'detached'"
-        )
+    for key in ("param_dtype", "dtype"):
+        if mode == "sampler" and c.rollout[key] not in ("", c.model[key]):
+            raise ConfigError(
+                f"loss.old_logp 'sampler' with rollout.{key} {c.rollout[key]!r}: the sampler's log-probs "
+                f"are not pi_old of the trainer's {c.model[key]} model: use 'recompute' or 'detached'"
+            )
     if mode != "recompute" and c.filter.carry_over:
         raise ConfigError(
             f"loss.old_logp {mode!r} with filter.carry_over: carried groups were sampled before the "
@@ -396,9 +397,13 @@ def build(c: ml_collections.ConfigDict, workdir: str) -> Run:
     optimizer, schedule = make_optimizer(c)
     loss_cfg = loss_config(c)
     g = c.rollout.group_size
-    step_fn = train_step.make_train_step(
-        m, optimizer, schedule, loss_cfg, mesh, c.train.mini_batch_prompts * g // c.train.micro_batch_size
-    )
+    num_micro = c.train.mini_batch_prompts * g // c.train.micro_batch_size
+    if c.train.sort_micro_batches:
+        step_fn = train_step.make_length_sorted_train_step(
+            m, optimizer, schedule, loss_cfg, mesh, num_micro, c.train.length_bucket
+        )
+    else:
+        step_fn = train_step.make_train_step(m, optimizer, schedule, loss_cfg, mesh, num_micro)
     logprobs_fn = train_step.make_compute_logprobs(
         m, mesh, c.rollout.temperature, c.train.train_batch_prompts * g // c.train.micro_batch_size
     )
@@ -442,13 +447,15 @@ def sampler_weights(c: ml_collections.ConfigDict, m: model.Transformer, mesh):
     """`(model, mesh, weights)` of the samplers: the trainer's model, mesh and params as they lie,
     or with `rollout.tensor_parallel` = N a mesh of data x N-way tensor (no fsdp: no weight is
     gathered per decoded token) over the same devices, weights in `rollout.param_dtype`, made
-    from the trainer's params once per step (`sampler.rollout_params`)."""
+    from the trainer's params once per step (`sampler.rollout_params`). `rollout.dtype` sets the
+    samplers' compute dtype apart from the trainer's (e.g. a bf16 update, an f32 decode)."""
     dtype = c.rollout.param_dtype or m.config.param_dtype
+    config = dataclasses.replace(m.config, param_dtype=dtype, dtype=c.rollout.dtype or m.config.dtype)
     if not c.rollout.tensor_parallel and dtype == m.config.param_dtype:
-        return m, mesh, lambda params: params
+        return (m if config == m.config else model.Transformer(config)), mesh, lambda params: params
     tp = c.rollout.tensor_parallel or mesh.shape["tensor"]
     rollout_mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": tp})
-    rollout_model = model.Transformer(dataclasses.replace(m.config, param_dtype=dtype, remat=False))
+    rollout_model = model.Transformer(dataclasses.replace(config, remat=False))
     return (
         rollout_model,
         rollout_mesh,

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from dapo_jax import model as model_lib
@@ -237,6 +238,45 @@ def make_compute_logprobs(model, mesh, temperature: float, num_micro_batches: in
     return _on_mesh(jitted, mesh)
 
 
+def micro_loss(model, loss_cfg: LossConfig, denom: objective.Denominators, params, micro: Batch):
+    """`(loss, metrics)`: a micro-batch's additive share of its mini-batch's policy loss, given the
+    mini-batch's `denom`; metrics are its shares too (logp_diff_max its maximum)."""
+    c = loss_cfg
+    logp_bxT, entropy_bxT = model_logp_and_entropy(
+        model, params, micro.tokens_BxT, micro.mask_BxT, c.temperature
+    )
+    detached = c.old_logp == "detached"
+    loss, metrics = objective.policy_loss_sum(
+        logp_bxT,
+        jax.lax.stop_gradient(logp_bxT) if detached else micro.old_logp_BxT,
+        micro.adv_B,
+        micro.loss_mask_BxT,
+        denom,
+        eps_low=c.eps_low,
+        eps_high=c.eps_high,
+        clip_ratio_c=c.clip_ratio_c,
+        agg_mode=c.agg_mode,
+        ref_logp_BxT=micro.ref_logp_BxT,
+        beta=c.beta,
+        entropy_BxT=entropy_bxT,
+        entropy_coef=c.entropy_coef,
+    )
+    if c.old_logp != "recompute":
+        diff = objective.logp_diff(logp_bxT, micro.old_logp_BxT, micro.loss_mask_BxT, denom)
+        metrics.update(logp_diff_mean=diff[0], logp_diff_max=diff[1])
+    return loss, metrics
+
+
+def _check_old_logp(loss_cfg: LossConfig) -> None:
+    if loss_cfg.old_logp not in OLD_LOGP:
+        raise ValueError(f"unknown old_logp {loss_cfg.old_logp!r}; use one of {OLD_LOGP}")
+
+
+def _add_metrics(total: dict, part: dict) -> dict:
+    """Micro-batch metrics summed (they are shares), `*_max` ones maximized."""
+    return {k: jnp.maximum(total[k], v) if k.endswith("_max") else total[k] + v for k, v in part.items()}
+
+
 def loss_and_grads(model, loss_cfg: LossConfig, params, batch: Batch, num_micro_batches: int):
     """`(grads, metrics)` of the mini-batch's policy loss, accumulated over micro-batches.
 
@@ -244,38 +284,12 @@ def loss_and_grads(model, loss_cfg: LossConfig, params, batch: Batch, num_micro_
     and metrics are its additive share and the scan sums them: 1, 2 or 4 micro-batches give the same
     gradient as one pass.
     """
-    c = loss_cfg
-    if c.old_logp not in OLD_LOGP:
-        raise ValueError(f"unknown old_logp {c.old_logp!r}; use one of {OLD_LOGP}")
-    denom = objective.denominators(batch.loss_mask_BxT, c.agg_mode, c.norm_const)
-
-    def micro_loss(p, micro: Batch):
-        logp_bxT, entropy_bxT = model_logp_and_entropy(
-            model, p, micro.tokens_BxT, micro.mask_BxT, c.temperature
-        )
-        detached = c.old_logp == "detached"
-        loss, metrics = objective.policy_loss_sum(
-            logp_bxT,
-            jax.lax.stop_gradient(logp_bxT) if detached else micro.old_logp_BxT,
-            micro.adv_B,
-            micro.loss_mask_BxT,
-            denom,
-            eps_low=c.eps_low,
-            eps_high=c.eps_high,
-            clip_ratio_c=c.clip_ratio_c,
-            agg_mode=c.agg_mode,
-            ref_logp_BxT=micro.ref_logp_BxT,
-            beta=c.beta,
-            entropy_BxT=entropy_bxT,
-            entropy_coef=c.entropy_coef,
-        )
-        if c.old_logp != "recompute":
-            diff = objective.logp_diff(logp_bxT, micro.old_logp_BxT, micro.loss_mask_BxT, denom)
-            metrics.update(logp_diff_mean=diff[0], logp_diff_max=diff[1])
-        return loss, metrics
+    _check_old_logp(loss_cfg)
+    denom = objective.denominators(batch.loss_mask_BxT, loss_cfg.agg_mode, loss_cfg.norm_const)
+    grad_fn = jax.value_and_grad(functools.partial(micro_loss, model, loss_cfg, denom), has_aux=True)
 
     def body(grads, micro):
-        (_, metrics), g = jax.value_and_grad(micro_loss, has_aux=True)(params, micro)
+        (_, metrics), g = grad_fn(params, micro)
         return jax.tree.map(jnp.add, grads, g), metrics
 
     micros = jax.tree.map(functools.partial(_split_micro, n=num_micro_batches), batch)
@@ -285,8 +299,9 @@ def loss_and_grads(model, loss_cfg: LossConfig, params, batch: Batch, num_micro_
     return grads, metrics
 
 
-def _train_step(model, optimizer, schedule, loss_cfg, num_micro_batches, state: TrainState, batch: Batch):
-    grads, metrics = loss_and_grads(model, loss_cfg, state.params, batch, num_micro_batches)
+def apply_gradients(optimizer, schedule, state: TrainState, grads, metrics: dict):
+    """The AdamW update of `grads`, kept only when the loss and |g| are finite; `metrics` gains
+    grad_norm, update_norm, learning_rate and skipped."""
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -295,13 +310,19 @@ def _train_step(model, optimizer, schedule, loss_cfg, num_micro_batches, state: 
     new_state = TrainState(
         state.step + finite.astype(jnp.int32), keep(params, state.params), keep(opt_state, state.opt_state)
     )
-    metrics.update(
+    metrics = dict(
+        metrics,
         grad_norm=grad_norm,
         update_norm=jnp.where(finite, optax.tree.norm(updates), 0.0),
         learning_rate=schedule(state.step),
         skipped=1.0 - finite.astype(jnp.float32),
     )
     return new_state, metrics
+
+
+def _train_step(model, optimizer, schedule, loss_cfg, num_micro_batches, state: TrainState, batch: Batch):
+    grads, metrics = loss_and_grads(model, loss_cfg, state.params, batch, num_micro_batches)
+    return apply_gradients(optimizer, schedule, state, grads, metrics)
 
 
 def make_train_step(model, optimizer, schedule, loss_cfg: LossConfig, mesh, num_micro_batches: int):
@@ -323,6 +344,90 @@ def make_train_step(model, optimizer, schedule, loss_cfg: LossConfig, mesh, num_
         donate_argnums=0,
     )
     return _on_mesh(jitted, mesh)
+
+
+def length_sorted_micro_batches(end_B, num_micro_batches: int, bucket: int, max_width: int) -> list[tuple]:
+    """`[(rows_b, width)]`: the rows sorted by where their tokens end (`end_B`, one past each row's
+    last real column), cut into `num_micro_batches` equal runs, each with the width its longest
+    row needs rounded up to a multiple of `bucket`, at most `max_width` (the batch's). Short rows share
+    narrow micro-batches, so the trained padding follows each run's longest row, not the
+    mini-batch's; widths ascend, and there are at most width / bucket distinct ones (one program each)."""
+    end_B = np.asarray(end_B)
+    if len(end_B) % num_micro_batches:
+        raise ValueError(f"batch of {len(end_B)} rows does not split into {num_micro_batches} micro-batches")
+    order = np.argsort(end_B, kind="stable")
+    runs = np.split(order, num_micro_batches)
+    width = lambda rows: min(max_width, -(-max(int(end_B[rows].max()), 1) // bucket) * bucket)
+    return [(np.sort(rows).astype(np.int32), width(rows)) for rows in runs]
+
+
+def _row_ends(mask_BxT):
+    """One past each row's last real column (0 for an empty row)."""
+    return jnp.max(jnp.where(mask_BxT, jnp.arange(1, mask_BxT.shape[1] + 1), 0), axis=1)
+
+
+def _zero_accumulator(model, loss_cfg, params, mini: Batch):
+    """Zero gradients and zero metrics of `micro_loss`'s structure."""
+    denom = objective.denominators(mini.loss_mask_BxT, loss_cfg.agg_mode, loss_cfg.norm_const)
+    shapes = jax.eval_shape(lambda p, b: micro_loss(model, loss_cfg, denom, p, b)[1], params, mini)
+    return jax.tree.map(jnp.zeros_like, params), jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+
+
+def _accumulate(model, loss_cfg, width: int, acc, params, mini: Batch, rows_b):
+    """`acc` plus the gradient and metrics of the micro-batch of rows `rows_b`, columns [0, width)."""
+    grads, metrics = acc
+    denom = objective.denominators(mini.loss_mask_BxT, loss_cfg.agg_mode, loss_cfg.norm_const)
+    take = lambda x: nn.with_logical_constraint(
+        x[rows_b] if x.ndim == 1 else x[rows_b, :width], ("batch",) + (None,) * (x.ndim - 1)
+    )
+    grad_fn = jax.value_and_grad(functools.partial(micro_loss, model, loss_cfg, denom), has_aux=True)
+    (_, m), g = grad_fn(params, jax.tree.map(take, mini))
+    return jax.tree.map(jnp.add, grads, g), _add_metrics(metrics, m)
+
+
+def _apply_accumulated(optimizer, schedule, loss_cfg, state: TrainState, acc, mini: Batch):
+    grads, metrics = acc
+    denom = objective.denominators(mini.loss_mask_BxT, loss_cfg.agg_mode, loss_cfg.norm_const)
+    return apply_gradients(optimizer, schedule, state, grads, {**metrics, "loss_tokens": denom.tokens})
+
+
+def make_length_sorted_train_step(
+    model, optimizer, schedule, loss_cfg: LossConfig, mesh, num_micro_batches: int, bucket: int
+):
+    """`make_train_step`'s update with each micro-batch cut to its own width: the rows sorted by
+    length (`length_sorted_micro_batches`), one gradient program per width, the gradients and
+    metrics accumulated on the device, then the same AdamW step. The same gradient as one pass
+    (the denominators are the mini-batch's), up to the order of the float sums; it skips the
+    padding of rows shorter than the mini-batch's longest, at the cost of a program per width
+    (bounded by T / bucket) and a host round trip per mini-batch for the rows' lengths."""
+    _check_old_logp(loss_cfg)
+    state_sh = state_shardings(model, optimizer, mesh)
+    acc_sh = (state_sh.params, sharding.replicated(mesh))
+    zeros = jax.jit(functools.partial(_zero_accumulator, model, loss_cfg), out_shardings=acc_sh)
+    ends = jax.jit(_row_ends, out_shardings=sharding.replicated(mesh))
+    accumulate = jax.jit(
+        functools.partial(_accumulate, model, loss_cfg),
+        static_argnums=0,
+        out_shardings=acc_sh,
+        donate_argnums=1,
+    )
+    apply = jax.jit(
+        functools.partial(_apply_accumulated, optimizer, schedule, loss_cfg),
+        out_shardings=(state_sh, sharding.replicated(mesh)),
+        donate_argnums=0,
+    )
+
+    def step(state: TrainState, mini: Batch):
+        with sharding.activate(mesh):
+            end_B = sharding.to_host(ends(mini.mask_BxT))
+            plan = length_sorted_micro_batches(end_B, num_micro_batches, bucket, mini.tokens_BxT.shape[1])
+            acc = zeros(state.params, mini)
+            for rows_b, width in plan:
+                rows = jax.device_put(rows_b, sharding.replicated(mesh))
+                acc = accumulate(width, acc, state.params, mini, rows)
+            return apply(state, acc, mini)
+
+    return step
 
 
 def _on_mesh(jitted, mesh):

@@ -2,12 +2,14 @@
 
 import json
 
+import jax
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from configs import dapo
-from dapo_jax import data, overrides, run
+from dapo_jax import data, model, overrides, run, sharding
 from dapo_jax.errors import ConfigError, DataFileError
 
 
@@ -101,11 +103,20 @@ def test_out_of_range_value_is_named(key, value, message):
         (
             {"loss.old_logp": "sampler", "rollout.param_dtype": "bfloat16"},
             "loss.old_logp 'sampler' with rollout.param_dtype 'bfloat16': the sampler's log-probs are "
-            "not pi_old of the float32 weights: use 'recompute' or 'detached'",
+            "not pi_old of the trainer's float32 model: use 'recompute' or 'detached'",
+        ),
+        (
+            {"loss.old_logp": "sampler", "rollout.dtype": "bfloat16"},
+            "loss.old_logp 'sampler' with rollout.dtype 'bfloat16': the sampler's log-probs are "
+            "not pi_old of the trainer's float32 model: use 'recompute' or 'detached'",
         ),
         (
             {"rollout.param_dtype": "int8"},
             "rollout.param_dtype 'int8' is not '' (the trainer's), 'float32' or 'bfloat16'",
+        ),
+        (
+            {"rollout.dtype": "float16"},
+            "rollout.dtype 'float16' is not '' (the trainer's), 'float32' or 'bfloat16'",
         ),
     ],
 )
@@ -168,3 +179,28 @@ def test_workdir_that_is_a_file_is_named(tmp_path):
             run.check_workdir(str(workdir))
     run.check_workdir(str(tmp_path / "new" / "run"))  # a folder still to create is fine
     run.check_workdir(str(tmp_path))
+
+
+def test_the_samplers_compute_dtype_is_set_apart_from_the_trainers():
+    """rollout.dtype: a bf16 trainer with an f32 sampler on the same mesh and the same weights."""
+    c = overrides.apply(dapo.get_config("tiny"), {"model.dtype": "bfloat16", "rollout.dtype": "float32"})
+    m = model.Transformer(
+        model.ModelConfig(
+            vocab_size=8,
+            hidden_size=8,
+            intermediate_size=8,
+            num_layers=1,
+            num_heads=2,
+            num_kv_heads=1,
+            head_dim=4,
+            dtype="bfloat16",
+        )
+    )
+    mesh = sharding.make_mesh({"data": -1}, devices=jax.devices()[:1])
+    sampler_model, sampler_mesh, weights = run.sampler_weights(c, m, mesh)
+    assert sampler_model.config.dtype == "float32" and m.config.dtype == "bfloat16"
+    assert sampler_model.config.param_dtype == m.config.param_dtype and sampler_mesh is mesh
+    params = {"any": np.ones(2)}
+    assert weights(params) is params
+    c.rollout.dtype = ""
+    assert run.sampler_weights(c, m, mesh)[0] is m

@@ -182,6 +182,40 @@ def test_sharded_step_equals_single_device():
     assert moved > 1e-3  # the step did change the parameters
 
 
+def test_length_sorted_micro_batches_by_hand():
+    # Ends sorted: rows 6 (1), 3 (3), 0 (5), 2 (7) | 5 (9), 7 (11), 4 (12), 1 (16).
+    ends = [5, 16, 7, 3, 12, 9, 1, 11]
+    plan = ts.length_sorted_micro_batches(ends, 2, bucket=4, max_width=16)
+    assert [(r.tolist(), w) for r, w in plan] == [([0, 2, 3, 6], 8), ([1, 4, 5, 7], 16)]
+    plan = ts.length_sorted_micro_batches(ends, 4, bucket=5, max_width=16)
+    assert [(r.tolist(), w) for r, w in plan] == [([3, 6], 5), ([0, 2], 10), ([5, 7], 15), ([1, 4], 16)]
+    with pytest.raises(ValueError, match="does not split into 3 micro-batches"):
+        ts.length_sorted_micro_batches(ends, 3, bucket=4, max_width=16)
+
+
+@pytest.mark.slow
+def test_length_sorted_step_equals_the_scanned_step():
+    # Responses end at columns 6-16 of 16: two micro-batches of widths 8 and 16 on the sharded
+    # mesh (rows gathered across its shards) against the scan's two full-width ones on one device.
+    single = single_mesh()
+    params0 = init(single)
+    batch = single_device_batch()
+    opt, step = make_step(single)
+    state1, m1 = step(ts.init_train_state(MODEL, opt, single, params0), batch)
+
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    params8 = jax.device_put(jax.tree.map(np.asarray, params0), sharding.param_shardings(MODEL, mesh))
+    schedule = ts.learning_rate_schedule(0.1, 0, "constant")
+    opt8 = ts.make_optimizer(schedule, weight_decay=0.1, max_grad_norm=1e3, eps=1.0)
+    sorted_step = ts.make_length_sorted_train_step(MODEL, opt8, schedule, loss_cfg(), mesh, 2, bucket=4)
+    state8, m8 = sorted_step(ts.init_train_state(MODEL, opt8, mesh, params8), batch)
+    assert set(m8) == set(m1)
+    for k in m1:
+        np.testing.assert_allclose(m8[k], m1[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    for a, b in zip(jax.tree.leaves(state8), jax.tree.leaves(state1)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.slow
 def test_non_finite_loss_skips_the_update():
     mesh = single_mesh()
