@@ -404,9 +404,13 @@ def build(c: ml_collections.ConfigDict, workdir: str) -> Run:
         )
     else:
         step_fn = train_step.make_train_step(m, optimizer, schedule, loss_cfg, mesh, num_micro)
-    logprobs_fn = train_step.make_compute_logprobs(
-        m, mesh, c.rollout.temperature, c.train.train_batch_prompts * g // c.train.micro_batch_size
-    )
+    num_micro_logp = c.train.train_batch_prompts * g // c.train.micro_batch_size
+    if c.train.sort_micro_batches:
+        logprobs_fn = train_step.make_length_sorted_logprobs(
+            m, mesh, c.rollout.temperature, num_micro_logp, c.train.length_bucket
+        )
+    else:
+        logprobs_fn = train_step.make_compute_logprobs(m, mesh, c.rollout.temperature, num_micro_logp)
     shaping = rollout.RewardShaping(
         max_len=c.rollout.max_new_tokens,
         buffer_len=c.reward.overlong_buffer,

@@ -404,7 +404,6 @@ def make_length_sorted_train_step(
     state_sh = state_shardings(model, optimizer, mesh)
     acc_sh = (state_sh.params, sharding.replicated(mesh))
     zeros = jax.jit(functools.partial(_zero_accumulator, model, loss_cfg), out_shardings=acc_sh)
-    ends = jax.jit(_row_ends, out_shardings=sharding.replicated(mesh))
     accumulate = jax.jit(
         functools.partial(_accumulate, model, loss_cfg),
         static_argnums=0,
@@ -417,17 +416,60 @@ def make_length_sorted_train_step(
         donate_argnums=0,
     )
 
+    plan = functools.partial(_device_plan, mesh, num_micro_batches, bucket)
+
     def step(state: TrainState, mini: Batch):
         with sharding.activate(mesh):
-            end_B = sharding.to_host(ends(mini.mask_BxT))
-            plan = length_sorted_micro_batches(end_B, num_micro_batches, bucket, mini.tokens_BxT.shape[1])
             acc = zeros(state.params, mini)
-            for rows_b, width in plan:
-                rows = jax.device_put(rows_b, sharding.replicated(mesh))
+            for rows, width in plan(mini.mask_BxT):
                 acc = accumulate(width, acc, state.params, mini, rows)
             return apply(state, acc, mini)
 
     return step
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _row_ends_jit(mesh, mask_BxT):
+    return jax.lax.with_sharding_constraint(_row_ends(mask_BxT), sharding.replicated(mesh))
+
+
+def _device_plan(mesh, num_micro_batches: int, bucket: int, mask_BxT) -> list[tuple]:
+    """`length_sorted_micro_batches` of the rows of `mask_BxT` (brought to every host), each
+    run's row indices replicated on `mesh`."""
+    end_B = sharding.to_host(_row_ends_jit(mesh, mask_BxT))
+    plan = length_sorted_micro_batches(end_B, num_micro_batches, bucket, mask_BxT.shape[1])
+    return [(jax.device_put(rows, sharding.replicated(mesh)), width) for rows, width in plan]
+
+
+def _logp_into(model, temperature: float, width: int, logp_BxT, params, tokens_BxT, mask_BxT, rows_b):
+    """`logp_BxT` with rows `rows_b`, columns [0, width), set to their log-probs under `params`."""
+    take = lambda x: nn.with_logical_constraint(x[rows_b, :width], ("batch", None))
+    logp_bxW = model_logp_and_entropy(model, params, take(tokens_BxT), take(mask_BxT), temperature)[0]
+    return logp_BxT.at[rows_b, :width].set(logp_bxW)
+
+
+def make_length_sorted_logprobs(model, mesh, temperature: float, num_micro_batches: int, bucket: int):
+    """`make_compute_logprobs`'s function with each micro-batch cut to its own width, as in
+    `make_length_sorted_train_step`: one forward program per width, each writing its rows'
+    log-probs into one [B, T] array (columns past a run's width: 0, padding)."""
+    rows_sh = sharding.batch_sharding(mesh, 2)
+    zeros = jax.jit(lambda t: jnp.zeros(t.shape, jnp.float32), out_shardings=rows_sh)
+    write = jax.jit(
+        functools.partial(_logp_into, model, temperature),
+        static_argnums=0,
+        out_shardings=rows_sh,
+        donate_argnums=1,
+    )
+    plan = functools.partial(_device_plan, mesh, num_micro_batches, bucket)
+
+    def fn(params, tokens_BxT, mask_BxT):
+        with sharding.activate(mesh):
+            logp_BxT = zeros(tokens_BxT)
+            for rows, width in plan(mask_BxT):
+                logp_BxT = write(width, logp_BxT, params, tokens_BxT, mask_BxT, rows)
+            return logp_BxT
+
+    return fn
 
 
 def _on_mesh(jitted, mesh):

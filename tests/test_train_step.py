@@ -194,7 +194,7 @@ def test_length_sorted_micro_batches_by_hand():
 
 
 @pytest.mark.slow
-def test_length_sorted_step_equals_the_scanned_step():
+def test_length_sorted_step_and_logprobs_equal_the_full_width_ones():
     # Responses end at columns 6-16 of 16: two micro-batches of widths 8 and 16 on the sharded
     # mesh (rows gathered across its shards) against the scan's two full-width ones on one device.
     single = single_mesh()
@@ -214,6 +214,14 @@ def test_length_sorted_step_equals_the_scanned_step():
         np.testing.assert_allclose(m8[k], m1[k], rtol=1e-5, atol=1e-7, err_msg=k)
     for a, b in zip(jax.tree.leaves(state8), jax.tree.leaves(state1)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    # The log-probs of pi_old the same way: equal to one full-width pass on every real token.
+    r = rollout()
+    logp = ts.make_length_sorted_logprobs(MODEL, mesh, 0.7, 2, bucket=4)(params8, r.tokens_BxT, r.mask_BxT)
+    full = ts.make_compute_logprobs(MODEL, single, 0.7, 1)(params0, r.tokens_BxT, r.mask_BxT)
+    on = np.asarray(r.mask_BxT) & (np.arange(16) > 0)
+    np.testing.assert_allclose(np.asarray(logp)[on], np.asarray(full)[on], rtol=1e-5, atol=1e-6)
+    # Rows 0, 2, 4, 6 end at columns 6-8: their run is 8 wide and nothing is computed past it.
+    assert np.all(np.asarray(logp)[[0, 2, 4, 6], 8:] == 0.0) and np.all(np.asarray(logp)[1, 8:16] != 0.0)
 
 
 @pytest.mark.slow
