@@ -106,8 +106,9 @@ def _prompt_width(batch: TrainBatch, length_bucket: int) -> int:
     padding in every row, so the loss and the gradient are unchanged."""
     prompt_mask_BxQ = batch.rows.prompt_mask_BxQ
     q = prompt_mask_BxQ.shape[1]
-    used = q - int(np.argmax(prompt_mask_BxQ.any(axis=0))) if prompt_mask_BxQ.any() else 0
-    return min(q, -(-used // length_bucket) * length_bucket)
+    if not prompt_mask_BxQ.any():
+        return 0
+    return train_step.bucket_width(q - int(np.argmax(prompt_mask_BxQ.any(axis=0))), length_bucket, q)
 
 
 def _rollout(
@@ -120,7 +121,7 @@ def _rollout(
     few shapes and does not spend its FLOPs on padding when prompts or responses are short."""
     rows, valid_B = batch.rows, batch.valid_B
     n = rows.tokens_BxN.shape[1]
-    width = min(n, -(-max(int(rows.length_B.max()), 1) // length_bucket) * length_bucket)
+    width = train_step.bucket_width(int(rows.length_B.max()), length_bucket, n)
     q0 = rows.prompt_tokens_BxQ.shape[1] - _prompt_width(batch, length_bucket)
     prompt_mask_BxQ = rows.prompt_mask_BxQ[:, q0:]
     response_mask_BxN = rows.mask_BxN[:, :width]

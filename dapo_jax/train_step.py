@@ -346,6 +346,12 @@ def make_train_step(model, optimizer, schedule, loss_cfg: LossConfig, mesh, num_
     return _on_mesh(jitted, mesh)
 
 
+def bucket_width(needed: int, bucket: int, at_most: int) -> int:
+    """`needed` columns (at least 1) rounded up to a multiple of `bucket`, at most `at_most`: the
+    trained widths, so that few shapes compile."""
+    return min(at_most, -(-max(needed, 1) // bucket) * bucket)
+
+
 def length_sorted_micro_batches(end_B, num_micro_batches: int, bucket: int, max_width: int) -> list[tuple]:
     """`[(rows_b, width)]`: the rows sorted by where their tokens end (`end_B`, one past each row's
     last real column), cut into `num_micro_batches` equal runs, each with the width its longest
@@ -357,8 +363,10 @@ def length_sorted_micro_batches(end_B, num_micro_batches: int, bucket: int, max_
         raise ValueError(f"batch of {len(end_B)} rows does not split into {num_micro_batches} micro-batches")
     order = np.argsort(end_B, kind="stable")
     runs = np.split(order, num_micro_batches)
-    width = lambda rows: min(max_width, -(-max(int(end_B[rows].max()), 1) // bucket) * bucket)
-    return [(np.sort(rows).astype(np.int32), width(rows)) for rows in runs]
+    return [
+        (np.sort(rows).astype(np.int32), bucket_width(int(end_B[rows].max()), bucket, max_width))
+        for rows in runs
+    ]
 
 
 def _row_ends(mask_BxT):
