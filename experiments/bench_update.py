@@ -89,7 +89,7 @@ def make_update(old_logp: str, dtype: str, micro: int, mesh):
     m = model.Transformer(dataclasses.replace(CFG, dtype=dtype))
     schedule = ts.learning_rate_schedule(1e-6, 0, "constant")
     opt = ts.make_optimizer(schedule, weight_decay=0.1, max_grad_norm=1.0)
-    loss_cfg = ts.LossConfig(0.2, 0.28, 10.0, "token-mean", None, 0.0, 0.0, 1.0, old_logp)
+    loss_cfg = ts.LossConfig(clip_ratio_c=10.0, temperature=1.0, old_logp=old_logp)
     step = ts.make_train_step(m, opt, schedule, loss_cfg, mesh, micro)
     logprobs = ts.make_compute_logprobs(m, mesh, 1.0, micro)
     state = ts.init_train_state(m, opt, mesh, sharding.init_params(m, mesh, jax.random.key(0)))
