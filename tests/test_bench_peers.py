@@ -29,7 +29,7 @@ UNIT = {  # every size 1: a layer has q 1+1, k and v 2 x (1+1), o 1, MLP 3, norm
 
 
 def test_the_workload_model_has_the_parameters_dapo_jax_counts():
-    hf = {**make_tiny_model.HF_CONFIG, **bench_peers.HF_CONFIG_OVERRIDES}
+    hf = workload.HF_CONFIG
     assert bench_peers.num_params(hf) == 1_018_496
     assert bench_peers.num_params(hf) == hf_io.config_from_hf(hf, dtype="float32").num_params()
 

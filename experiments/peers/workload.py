@@ -1,6 +1,6 @@
-"""The reference workload that `bench_peers.py` runs on every implementation: the prompts, the
-reward, the spec file and the one JSON line a runner prints. Standard library only: each peer's
-virtualenv imports it (the runners put this folder on `sys.path`).
+"""The reference workload that `bench_peers.py` runs on every implementation: the model, the
+prompts, the reward, the spec file and the one JSON line a runner prints. Standard library only:
+each peer's virtualenv imports it (the runners put this folder on `sys.path`).
 """
 
 import json
@@ -9,6 +9,30 @@ import statistics
 import sys
 
 DIGITS = "0123456789"
+# The benchmark model, a random Qwen2 of 1.02M parameters, as the config.json that every
+# implementation loads; bench_rollout.py and bench_update.py build the same one. Vocabulary and
+# special ids are those of make_tiny_model.py's character tokenizer (its shipped model is this
+# one with 4 layers).
+HF_CONFIG = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "vocab_size": 128,
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_hidden_layers": 5,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "hidden_act": "silu",
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "use_sliding_window": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
 
 
 def prompts(n: int) -> list[str]:
