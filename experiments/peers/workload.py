@@ -7,6 +7,7 @@ import json
 import resource
 import statistics
 import sys
+import time
 
 DIGITS = "0123456789"
 # The benchmark model, a random Qwen2 of 1.02M parameters, as the config.json that every
@@ -52,6 +53,12 @@ def char_reward(response: str, ground_truth: str, *, data_source: str = "", extr
     return digit_fraction(response)
 
 
+def reward(prompts, completions, **kwargs) -> list[float]:
+    """`digit_fraction` as TRL's and Tunix's reward function: one float per completion."""
+    del prompts, kwargs
+    return [digit_fraction(c) for c in completions]
+
+
 def read_spec(path: str) -> dict:
     """The workload a runner is given (written by `bench_peers.py`): model_dir, prompts,
     group_size, max_new_tokens, warmup, steps, lr, weight_decay, grad_clip, seed, threads."""
@@ -72,6 +79,50 @@ def check_round_trip(tokenizer) -> None:
 def peak_rss_mib() -> float:
     """The peak resident set size of this process so far, MiB (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class StepTimer:
+    """Per step the record that `emit` reads: step_s, gen_s (the generation calls inside the step),
+    update_s = step_s - gen_s, and the response tokens generated. A runner calls `begin` and `end`
+    around a step, or wraps its framework's step and generation calls."""
+
+    def __init__(self):
+        self.steps: list[dict] = []
+        self.gen_s, self.tokens, self._t0 = 0.0, 0, 0.0
+
+    def begin(self) -> None:
+        self.gen_s, self.tokens, self._t0 = 0.0, 0, time.perf_counter()
+
+    def end(self) -> None:
+        step_s = time.perf_counter() - self._t0
+        gen_s, tokens = self.gen_s, self.tokens
+        self.steps.append({"step_s": step_s, "gen_s": gen_s, "update_s": step_s - gen_s, "tokens": tokens})
+
+    def wrap_generation(self, generate, tokens, ready=lambda out: None):
+        """`generate`, its time (until `ready(out)` returns) added to gen_s and `tokens(out)` to
+        the step's tokens."""
+
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            out = generate(*args, **kwargs)
+            ready(out)
+            self.gen_s += time.perf_counter() - t
+            self.tokens += tokens(out)
+            return out
+
+        return timed
+
+    def wrap_step(self, step, ready):
+        """`step`, timed as one step until `ready()` returns."""
+
+        def timed(*args, **kwargs):
+            self.begin()
+            out = step(*args, **kwargs)
+            ready()
+            self.end()
+            return out
+
+        return timed
 
 
 def emit(impl: str, spec: dict, steps: list[dict], settings: dict) -> None:
