@@ -343,19 +343,13 @@ def make_optimizer(c: ml_collections.ConfigDict):
     return optimizer, schedule
 
 
+_MODEL_FOLDERS = ("path", "tokenizer_path")  # the model section's keys that are not ModelConfig's
+
+
 def model_numerics(c: ml_collections.ConfigDict) -> dict:
-    """The ModelConfig fields that the config's `model` section sets (the rest come from
-    config.json)."""
-    m = c.model
-    return dict(
-        dtype=m.dtype,
-        param_dtype=m.param_dtype,
-        remat=m.remat,
-        remat_policy=m.remat_policy,
-        attention_chunk=m.attention_chunk,
-        scan_layers=m.scan_layers,
-        logits_chunk=m.logits_chunk,
-    )
+    """The ModelConfig fields that the config's `model` section sets, every key of it but the
+    folders (dtype, param_dtype, remat, ...; the rest come from config.json)."""
+    return {k: v for k, v in c.model.items() if k not in _MODEL_FOLDERS}
 
 
 def build(c: ml_collections.ConfigDict, workdir: str) -> Run:
