@@ -14,6 +14,7 @@ older actor normalised each micro-batch by its own token count, verl #5625; we d
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -80,6 +81,24 @@ def _check_agg_mode(agg_mode: str) -> None:
         raise ValueError(f"unknown agg_mode {agg_mode!r}; valid modes are {AGG_MODES}")
 
 
+@dataclasses.dataclass(frozen=True)
+class PolicyLossConfig:
+    """The policy loss's knobs (static under jit), DAPO's values by default; checked once, here."""
+
+    eps_low: float = 0.2  # ε_low
+    eps_high: float = 0.28  # ε_high, Clip-Higher
+    clip_ratio_c: float | None = None  # c, dual clip for A < 0 (DAPO scripts 10.0; None = off)
+    agg_mode: str = "token-mean"  # one of AGG_MODES
+    norm_const: float | None = None  # L_const of "seq-mean-token-sum-norm"
+    beta: float = 0.0  # β, k3 KL to the reference (DAPO 0: no KL, no reference forward)
+    entropy_coef: float = 0.0  # entropy bonus coefficient (DAPO 0)
+
+    def __post_init__(self):
+        _check_agg_mode(self.agg_mode)
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0:
+            raise ValueError(f"dual-clip constant c must be > 1, got {self.clip_ratio_c}")
+
+
 def denominators(mask_BxT, agg_mode: str, norm_const: float | None = None) -> Denominators:
     """The denominators of `agg_mode` for the mini-batch whose loss mask is `mask_BxT`.
 
@@ -111,15 +130,10 @@ def policy_loss_sum(
     adv_B,
     mask_BxT,
     denom: Denominators,
+    cfg: PolicyLossConfig,
     *,
-    eps_low: float,
-    eps_high: float,
-    clip_ratio_c: float | None,
-    agg_mode: str,
     ref_logp_BxT=None,
-    beta: float,
     entropy_BxT=None,
-    entropy_coef: float,
 ):
     """These rows' share of the mini-batch loss: sums over their tokens / the mini-batch's `denom`.
 
@@ -127,6 +141,7 @@ def policy_loss_sum(
         L1 = -A_i r_{i,t};  L2 = -A_i clip(r_{i,t}, 1 - ε_low, 1 + ε_high);  Lc = max(L1, L2)
         l_pg = min(Lc, -A_i c) where A_i < 0 and c is set (dual clip), else Lc
         l = l_pg + β KL_k3(pi_theta || pi_ref) - entropy_coef H
+    with ε_low, ε_high, c, β, entropy_coef from `cfg` (its norm_const enters through `denom`).
     Aggregated with weights w_{i,t} = m_{i,t} (token-mean, seq-mean-token-sum[-norm]) or
     m_{i,t} / sum_t m_{i,t} (seq-mean-token-mean):  loss = sum_{i,t} w l / denom.loss.
 
@@ -136,9 +151,8 @@ def policy_loss_sum(
     fractions, approx_kl_old (k3 of KL(pi_old || pi_theta): r - 1 - log r), token_prob (exp(logp)),
     kl_ref when `ref_logp_BxT` is given, entropy when `entropy_BxT` is given.
     """
-    _check_agg_mode(agg_mode)
-    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
-        raise ValueError(f"dual-clip constant c must be > 1, got {clip_ratio_c}")
+    eps_low, eps_high, clip_ratio_c = cfg.eps_low, cfg.eps_high, cfg.clip_ratio_c
+    beta, entropy_coef = cfg.beta, cfg.entropy_coef
     if beta and ref_logp_BxT is None:
         raise ValueError(f"beta = {beta} needs ref_logp_BxT")
     if entropy_coef and entropy_BxT is None:
@@ -161,7 +175,7 @@ def policy_loss_sum(
         dual_BxT = (a_Bx1 < 0) & (ratio_BxT > clip_ratio_c)
 
     w_BxT = m_BxT
-    if agg_mode == "seq-mean-token-mean":
+    if cfg.agg_mode == "seq-mean-token-mean":
         w_BxT = m_BxT / jnp.maximum(jnp.sum(m_BxT, axis=-1, keepdims=True), 1.0)
     agg = lambda x_BxT: jnp.sum(jnp.where(on_BxT, w_BxT * x_BxT, 0.0)) / denom.loss
     token_mean = lambda x_BxT: jnp.sum(jnp.where(on_BxT, x_BxT, 0.0)) / denom.tokens
@@ -202,37 +216,26 @@ def policy_loss(
     old_logp_BxT,
     adv_B,
     mask_BxT,
+    cfg: PolicyLossConfig = PolicyLossConfig(),
     *,
-    eps_low: float = 0.2,
-    eps_high: float = 0.28,
-    clip_ratio_c: float | None = None,
-    agg_mode: str = "token-mean",
-    norm_const: float | None = None,
     ref_logp_BxT=None,
-    beta: float = 0.0,
     entropy_BxT=None,
-    entropy_coef: float = 0.0,
 ):
     """The loss of one whole mini-batch: `policy_loss_sum` over its own `denominators`.
 
-    `agg_mode` (section 3):  token-mean: sum_{i,t} l m / sum_{i,t} m;
+    `cfg.agg_mode` (section 3):  token-mean: sum_{i,t} l m / sum_{i,t} m;
     seq-mean-token-mean: mean_i (sum_t l m / sum_t m);  seq-mean-token-sum (the recipe's):
     mean_i sum_t l m;  seq-mean-token-sum-norm: sum_{i,t} l m / (n_seqs L_const) with
-    L_const = `norm_const`. The means over i count rows with a loss token. Returns `(loss, metrics)`.
+    L_const = `cfg.norm_const`. The means over i count rows with a loss token. Returns `(loss, metrics)`.
     """
-    denom = denominators(mask_BxT, agg_mode, norm_const)
+    denom = denominators(mask_BxT, cfg.agg_mode, cfg.norm_const)
     return policy_loss_sum(
         logp_BxT,
         old_logp_BxT,
         adv_B,
         mask_BxT,
         denom,
-        eps_low=eps_low,
-        eps_high=eps_high,
-        clip_ratio_c=clip_ratio_c,
-        agg_mode=agg_mode,
+        cfg,
         ref_logp_BxT=ref_logp_BxT,
-        beta=beta,
         entropy_BxT=entropy_BxT,
-        entropy_coef=entropy_coef,
     )

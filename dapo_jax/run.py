@@ -344,19 +344,13 @@ def make_optimizer(c: ml_collections.ConfigDict):
     return optimizer, schedule
 
 
+_MODEL_FOLDERS = ("path", "tokenizer_path")  # the model section's keys that are not ModelConfig's
+
+
 def model_numerics(c: ml_collections.ConfigDict) -> dict:
-    """The ModelConfig fields that the config's `model` section sets (the rest come from
-    config.json)."""
-    m = c.model
-    return dict(
-        dtype=m.dtype,
-        param_dtype=m.param_dtype,
-        remat=m.remat,
-        remat_policy=m.remat_policy,
-        attention_chunk=m.attention_chunk,
-        scan_layers=m.scan_layers,
-        logits_chunk=m.logits_chunk,
-    )
+    """The ModelConfig fields that the config's `model` section sets, every key of it but the
+    folders (dtype, param_dtype, remat, ...; the rest come from config.json)."""
+    return {k: v for k, v in c.model.items() if k not in _MODEL_FOLDERS}
 
 
 def build(c: ml_collections.ConfigDict, workdir: str) -> Run:
@@ -468,12 +462,13 @@ def sampler_weights(c: ml_collections.ConfigDict, m: model.Transformer, mesh):
 
 
 def loss_config(c: ml_collections.ConfigDict) -> train_step.LossConfig:
-    """The policy loss's knobs: config.loss's keys of the same names (normalize_std belongs to
-    the advantages), 0 meaning off for c and L_max for L_const, the rollout's temperature."""
-    same_name = {f.name for f in dataclasses.fields(train_step.LossConfig)} & set(c.loss)
+    """The policy loss's knobs: config.loss's keys of the same names, every one of them (the
+    record's defaults never stand in for a config; normalize_std belongs to the advantages), 0
+    meaning off for c and L_max for L_const, and the rollout's temperature."""
+    names = {f.name for f in dataclasses.fields(train_step.LossConfig)} - {"temperature"}
     return train_step.LossConfig(
         **{
-            **{k: c.loss[k] for k in same_name},
+            **{k: c.loss[k] for k in names},
             "clip_ratio_c": c.loss.clip_ratio_c or None,
             "norm_const": c.loss.norm_const or c.rollout.max_new_tokens,
             "temperature": c.rollout.temperature,

@@ -38,17 +38,11 @@ from dapo_jax import objective, sharding
 OLD_LOGP = ("recompute", "sampler", "detached")
 
 
-@dataclasses.dataclass(frozen=True)
-class LossConfig:
-    """The policy loss's knobs (static under jit); every field set by the config."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LossConfig(objective.PolicyLossConfig):
+    """The policy loss's knobs (`objective.PolicyLossConfig`), with where its log-probs come from;
+    static under jit, every field set by the config (`run.loss_config`)."""
 
-    eps_low: float  # ε_low (DAPO 0.2)
-    eps_high: float  # ε_high, Clip-Higher (DAPO 0.28)
-    clip_ratio_c: float | None  # c, dual clip for A < 0 (DAPO scripts 10.0; None = off)
-    agg_mode: str  # one of objective.AGG_MODES (DAPO "token-mean")
-    norm_const: float | None  # L_const of "seq-mean-token-sum-norm"
-    beta: float  # β, k3 KL to the reference (DAPO 0: no KL, no reference forward)
-    entropy_coef: float  # entropy bonus coefficient (DAPO 0)
     temperature: float  # the rollout temperature; log-probs come from logits / temperature
     old_logp: str = "recompute"  # where log pi_old comes from: one of OLD_LOGP
 
@@ -252,14 +246,9 @@ def micro_loss(model, loss_cfg: LossConfig, denom: objective.Denominators, param
         micro.adv_B,
         micro.loss_mask_BxT,
         denom,
-        eps_low=c.eps_low,
-        eps_high=c.eps_high,
-        clip_ratio_c=c.clip_ratio_c,
-        agg_mode=c.agg_mode,
+        c,
         ref_logp_BxT=micro.ref_logp_BxT,
-        beta=c.beta,
         entropy_BxT=entropy_bxT,
-        entropy_coef=c.entropy_coef,
     )
     if c.old_logp != "recompute":
         diff = objective.logp_diff(logp_bxT, micro.old_logp_BxT, micro.loss_mask_BxT, denom)

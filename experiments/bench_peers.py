@@ -64,7 +64,6 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(HERE, "peers"))
 import workload  # noqa: E402
 
-HF_CONFIG_OVERRIDES = {"num_hidden_layers": 5, "max_position_embeddings": 512}
 RUNNERS = {"ours": "run_ours.py", "trl": "run_trl.py", "tunix": "run_tunix.py"}
 
 
@@ -76,7 +75,7 @@ def build_model(out: str, seed: int) -> dict:
 
     from dapo_jax import hf_io, model, sharding  # pylint: disable=import-outside-toplevel
 
-    hf_config = {**make_tiny_model.HF_CONFIG, **HF_CONFIG_OVERRIDES}
+    hf_config = workload.HF_CONFIG
     m = model.Transformer(hf_io.config_from_hf(hf_config, dtype="float32"))
     mesh = sharding.make_mesh({"data": -1}, devices=jax.devices()[:1])
     hf_io.save_params(sharding.init_params(m, mesh, jax.random.key(seed)), hf_config, out)

@@ -1,13 +1,14 @@
 """Rollout throughput at a long-tailed length distribution: the fixed-batch sampler against
 continuous batching (`SamplingConfig.decode_slots`), in one invocation, on one tiny random Qwen2.
 
-The model: random weights (hidden 128, 5 layers, vocabulary 128), its LM head scaled by
-`--head_scale` so that the next-token distribution depends on the state, and `--end_ids` ids
-ending a row. The per-step end probability then varies from row to row, which gives a tail
-heavier than a geometric one: with the defaults the responses averaged a quarter of the
-limit and ~3% reached it in a trial (the script prints what it measured). Useful tokens are the
-rows' lengths (non-pad tokens); each sampler is timed after its compilation, the runs alternating,
-the median of `--repeats`. Both samplers return the same rows (checked here).
+The model: the peer benchmark's Qwen2 (experiments/peers/workload.py: hidden 128, 5 layers,
+vocabulary 128, q/k/v bias) with random weights, its LM head scaled by `--head_scale` so that the
+next-token distribution depends on the state, and `--end_ids` ids ending a row. The per-step end
+probability then varies from row to row, which gives a tail heavier than a geometric one: with
+the defaults the responses averaged a quarter of the limit and ~3% reached it in a trial before
+the model had its q/k/v bias (the script prints what it measured). Useful tokens are the rows'
+lengths (non-pad tokens); each sampler is timed after its compilation, the runs alternating, the
+median of `--repeats`. Both samplers return the same rows (checked here).
 
     PYTHONPATH=. python experiments/bench_rollout.py                    # long tail, limit 256
     PYTHONPATH=. python experiments/bench_rollout.py --new 64 --end_ids 0  # uniform: every row 64
@@ -15,23 +16,19 @@ the median of `--repeats`. Both samplers return the same rows (checked here).
 
 import argparse
 import dataclasses
+import os
+import sys
 import time
 
 import jax
 import numpy as np
 
-from dapo_jax import model, sampler, sharding
+from dapo_jax import hf_io, model, sampler, sharding
 
-CONFIG = model.ModelConfig(
-    vocab_size=128,
-    hidden_size=128,
-    intermediate_size=384,
-    num_layers=5,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=32,
-    dtype="float32",
-)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
+import workload  # noqa: E402
+
+CONFIG = hf_io.config_from_hf(workload.HF_CONFIG, dtype="float32")
 
 
 def random_model(head_scale: float, seed: int = 0):

@@ -71,16 +71,7 @@ def main():
     mesh = sharding.make_mesh({"data": -1}, devices=jax.devices()[:1])
     schedule = ts.learning_rate_schedule(1e-6, 10, "constant")
     opt = ts.make_optimizer(schedule, weight_decay=0.1, max_grad_norm=1.0)
-    loss_cfg = ts.LossConfig(
-        eps_low=0.2,
-        eps_high=0.28,
-        clip_ratio_c=10.0,
-        agg_mode="token-mean",
-        norm_const=None,
-        beta=0.0,
-        entropy_coef=0.0,
-        temperature=1.0,
-    )
+    loss_cfg = ts.LossConfig(clip_ratio_c=10.0, temperature=1.0)  # DAPO's loss
     step = ts.make_train_step(m, opt, schedule, loss_cfg, mesh, num_micro_batches=1)
     state = ts.init_train_state(m, opt, mesh, sharding.init_params(m, mesh, jax.random.key(0)))
     batch = synthetic_batch(args.batch, args.seq)

@@ -2,10 +2,11 @@
 
     PYTHONPATH=. python experiments/bench_update.py [--reps 5] [--variants base,detached,...]
 
-Workload: the peer benchmark's random Qwen2 of 1.01M parameters (hidden 128, 5 layers, 4 query
-and 2 KV heads of 32, MLP 384, 128-token vocabulary, q/k/v bias, untied head), 8 prompts x G = 8
-= 64 rows, left-padded prompts of 20-32 tokens in 32 columns, responses of 1-64 tokens (uniform)
-in 64 columns: T = 96. One update = log pi_old (when recomputed) + one jitted, donated AdamW step.
+Workload: the peer benchmark's random Qwen2 of 1.02M parameters (experiments/peers/workload.py:
+hidden 128, 5 layers, 4 query and 2 KV heads of 32, MLP 384, 128-token vocabulary, q/k/v bias,
+untied head), 8 prompts x G = 8 = 64 rows, left-padded prompts of 20-32 tokens in 32 columns,
+responses of 1-64 tokens (uniform) in 64 columns: T = 96. One update = log pi_old (when
+recomputed) + one jitted, donated AdamW step.
 Each variant toggles one setting against `base` (recompute, float32, 1 micro-batch):
     detached   loss.old_logp "detached": no log pi_old forward pass (one update per rollout batch)
     sampler    loss.old_logp "sampler": the same, the sampler's log-probs given instead
@@ -24,26 +25,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dapo_jax import model, sharding
+from dapo_jax import hf_io, model, sharding
 from dapo_jax import train_step as ts
 
-CFG = model.ModelConfig(
-    vocab_size=128,
-    hidden_size=128,
-    intermediate_size=384,
-    num_layers=5,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=32,
-    qkv_bias=True,
-    dtype="float32",
-)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
+import workload  # noqa: E402
+
+CFG = hf_io.config_from_hf(workload.HF_CONFIG, dtype="float32")
 ROWS, PROMPT, RESPONSE = 64, 32, 64
 VARIANTS = {  # name: (old_logp, dtype, micro-batches)
     "base": ("recompute", "float32", 1),
@@ -89,7 +85,7 @@ def make_update(old_logp: str, dtype: str, micro: int, mesh):
     m = model.Transformer(dataclasses.replace(CFG, dtype=dtype))
     schedule = ts.learning_rate_schedule(1e-6, 0, "constant")
     opt = ts.make_optimizer(schedule, weight_decay=0.1, max_grad_norm=1.0)
-    loss_cfg = ts.LossConfig(0.2, 0.28, 10.0, "token-mean", None, 0.0, 0.0, 1.0, old_logp)
+    loss_cfg = ts.LossConfig(clip_ratio_c=10.0, temperature=1.0, old_logp=old_logp)
     step = ts.make_train_step(m, opt, schedule, loss_cfg, mesh, micro)
     logprobs = ts.make_compute_logprobs(m, mesh, 1.0, micro)
     state = ts.init_train_state(m, opt, mesh, sharding.init_params(m, mesh, jax.random.key(0)))

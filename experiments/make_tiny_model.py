@@ -18,6 +18,7 @@ transformers both load.
 import argparse
 import json
 import os
+import sys
 import time
 
 import jax
@@ -30,31 +31,16 @@ from tokenizers import decoders, models
 
 from dapo_jax import hf_io, model, sft, sharding, synthetic
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
+import workload  # noqa: E402
+
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # pad, turn start, end of turn (EOS)
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-HF_CONFIG = {
-    "architectures": ["Qwen2ForCausalLM"],
-    "model_type": "qwen2",
-    "vocab_size": 128,
-    "hidden_size": 128,
-    "intermediate_size": 384,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "hidden_act": "silu",
-    "max_position_embeddings": 1024,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-    "use_sliding_window": False,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "pad_token_id": 0,
-}
+# The benchmark's Qwen2 (experiments/peers/workload.py) at 4 layers and 1024 positions.
+HF_CONFIG = {**workload.HF_CONFIG, "num_hidden_layers": 4, "max_position_embeddings": 1024}
 
 
 def build_tokenizer() -> transformers.PreTrainedTokenizerFast:

@@ -22,6 +22,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest  # noqa: E402
 
+from configs import ablation  # noqa: E402
+
 
 def build_hf_model(arch: str, out_dir: str, **overrides) -> str:
     """Save a random tiny `Qwen2ForCausalLM`, `Qwen3ForCausalLM` or `LlamaForCausalLM` (torch,
@@ -84,22 +86,12 @@ def qwen3_dir(tmp_path_factory):
 # Metrics that measure time or count the reward workers' life, not the run's maths.
 WALL_CLOCK = ("timing/", "throughput/", "reward/")
 
-# A tiny DAPO config shrunk to test size; shapes divide the 8 fake devices.
+# A tiny DAPO config shrunk to test size: the ablation's QUICK sizes (their shapes divide the 8
+# fake devices), one step, one length bucket of 16, no evaluation, a checkpoint after the step.
 SMALL = {
+    **ablation.QUICK,
     "train.steps": 1,
-    "train.train_batch_prompts": 4,
-    "train.mini_batch_prompts": 2,
-    "train.micro_batch_size": 8,
     "train.length_bucket": 16,
-    "rollout.group_size": 4,
-    "rollout.max_new_tokens": 40,
-    "reward.overlong_buffer": 8,
-    "reward.num_workers": 1,
-    "filter.gen_batch_prompts": 8,
-    "filter.max_num_gen_batches": 2,
-    "eval.max_problems": 8,
-    "eval.samples": 2,
-    "eval.batch_prompts": 8,
     "eval.at_start": False,
     "eval.every": 0,
     "checkpoint.every": 1,

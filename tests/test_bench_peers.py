@@ -29,7 +29,7 @@ UNIT = {  # every size 1: a layer has q 1+1, k and v 2 x (1+1), o 1, MLP 3, norm
 
 
 def test_the_workload_model_has_the_parameters_dapo_jax_counts():
-    hf = {**make_tiny_model.HF_CONFIG, **bench_peers.HF_CONFIG_OVERRIDES}
+    hf = workload.HF_CONFIG
     assert bench_peers.num_params(hf) == 1_018_496
     assert bench_peers.num_params(hf) == hf_io.config_from_hf(hf, dtype="float32").num_params()
 
@@ -53,6 +53,7 @@ def test_reward_is_the_share_of_digits():
     assert workload.digit_fraction("a1b2") == 0.5
     assert workload.digit_fraction("") == 0.0
     assert workload.char_reward("123", "x", data_source="", extra_info=None) == 1.0
+    assert workload.reward(["p", "q"], ["a1b2", "xy"], completion_ids=None) == [0.5, 0.0]
 
 
 def test_the_tokenizer_round_trip_check_catches_dropped_spaces():
@@ -83,3 +84,24 @@ def test_our_runner_end_to_end(tmp_path):
     assert ours["gen_s"] > 0 and ours["update_s"] > 0
     assert ours["settings"]["matmul_gflops"] > 0
     assert "roofline" in proc.stdout
+
+
+def test_step_timer_splits_a_step_into_generation_and_update():
+    timer = workload.StepTimer()
+    ready = []
+    generate = timer.wrap_generation(lambda n: [1] * n, tokens=len, ready=ready.append)
+
+    def step(n):
+        generate(n)
+        generate(2)
+        return "done"
+
+    timed_step = timer.wrap_step(step, ready=lambda: ready.append("step"))
+    assert timed_step(3) == "done"
+    assert timed_step(1) == "done"
+    assert ready == [[1, 1, 1], [1, 1], "step", [1], [1, 1], "step"]
+    assert [s["tokens"] for s in timer.steps] == [5, 3]
+    for s in timer.steps:
+        assert set(s) == {"step_s", "gen_s", "update_s", "tokens"}
+        assert 0 <= s["gen_s"] <= s["step_s"]
+        assert s["update_s"] == s["step_s"] - s["gen_s"]

@@ -53,9 +53,8 @@ ADV = np.array([1.0, -1.0])
 
 def _clip_loss(clip_ratio_c):
     mask = np.ones_like(RATIO, bool)
-    fn = lambda logp: objective.policy_loss(
-        logp, jnp.zeros_like(logp), ADV, mask, eps_low=0.2, eps_high=0.28, clip_ratio_c=clip_ratio_c
-    )
+    cfg = objective.PolicyLossConfig(eps_low=0.2, eps_high=0.28, clip_ratio_c=clip_ratio_c)
+    fn = lambda logp: objective.policy_loss(logp, jnp.zeros_like(logp), ADV, mask, cfg)
     value_and_grad = jax.jit(jax.value_and_grad(fn, has_aux=True))
     (loss, metrics), grad = value_and_grad(jnp.log(jnp.asarray(RATIO)))
     return loss, metrics, np.asarray(grad)
@@ -82,9 +81,7 @@ def test_without_dual_clip_a_large_ratio_keeps_its_gradient():
     np.testing.assert_allclose(grad[1], np.array([0, 1, 1.5, 20]) / 8, rtol=1e-5)
     assert metrics["pg_clipfrac_dual"] == 0
     with pytest.raises(ValueError, match="must be > 1"):
-        objective.policy_loss(
-            jnp.zeros((1, 1)), jnp.zeros((1, 1)), ADV[:1], np.ones((1, 1)), clip_ratio_c=0.5
-        )
+        objective.PolicyLossConfig(clip_ratio_c=0.5)
 
 
 def test_approx_kl_to_old_and_token_prob():
@@ -113,9 +110,8 @@ AGG_MASK = np.array([[1, 0, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0]], bool)
 )
 def test_aggregation_modes_by_hand(agg_mode, norm_const, loss, row0, row1):
     old = np.where(AGG_MASK, -1.0, np.nan)
-    fn = lambda logp: objective.policy_loss(
-        logp, old, AGG_ADV, AGG_MASK, agg_mode=agg_mode, norm_const=norm_const, ref_logp_BxT=old, beta=0.1
-    )
+    cfg = objective.PolicyLossConfig(agg_mode=agg_mode, norm_const=norm_const, beta=0.1)
+    fn = lambda logp: objective.policy_loss(logp, old, AGG_ADV, AGG_MASK, cfg, ref_logp_BxT=old)
     (value, _), grad = jax.jit(jax.value_and_grad(fn, has_aux=True))(jnp.full((3, 4), -1.0))
     np.testing.assert_allclose(value, loss, rtol=1e-6)
     expected = np.zeros((3, 4))
@@ -127,9 +123,9 @@ def test_aggregation_modes_by_hand(agg_mode, norm_const, loss, row0, row1):
 def test_unknown_agg_mode_and_missing_norm_const_are_errors():
     args = (jnp.zeros((1, 2)), jnp.zeros((1, 2)), np.ones(1), np.ones((1, 2)))
     with pytest.raises(ValueError, match="valid modes are.*token-mean.*seq-mean-token-sum-norm"):
-        objective.policy_loss(*args, agg_mode="seq-sum")
+        objective.PolicyLossConfig(agg_mode="seq-sum")
     with pytest.raises(ValueError, match="needs norm_const"):
-        objective.policy_loss(*args, agg_mode="seq-mean-token-sum-norm")
+        objective.policy_loss(*args, objective.PolicyLossConfig(agg_mode="seq-mean-token-sum-norm"))
 
 
 def _worked_example_grad(lengths, agg_mode, norm_const=None):
@@ -138,9 +134,8 @@ def _worked_example_grad(lengths, agg_mode, norm_const=None):
     mask = np.arange(max(lengths))[None, :] < np.array(lengths)[:, None]
     adv = np.array([1.0, 1.0, -1.0, -1.0])
     logp = jnp.full(mask.shape, -1.0)
-    fn = lambda lp: objective.policy_loss(
-        lp, logp, adv, mask, agg_mode=agg_mode, norm_const=norm_const, clip_ratio_c=10.0
-    )[0]
+    cfg = objective.PolicyLossConfig(agg_mode=agg_mode, norm_const=norm_const, clip_ratio_c=10.0)
+    fn = lambda lp: objective.policy_loss(lp, logp, adv, mask, cfg)[0]
     grad = np.asarray(jax.jit(jax.grad(fn))(logp))
     np.testing.assert_array_equal(grad[~mask], 0)
     # The sign is -A: a correct answer's tokens are pushed up, a wrong one's down.
@@ -169,8 +164,9 @@ def test_k3_kl_to_reference_by_hand():
     ref = jnp.array([[math.log(2.0), 0.0]])
     kl0 = 1 - math.log(2.0)
     np.testing.assert_allclose(objective.k3_kl(logp, ref), [[kl0, 0.0]], rtol=1e-6)
+    cfg = objective.PolicyLossConfig(beta=0.5)
     fn = lambda lp: objective.policy_loss(
-        lp, jnp.zeros((1, 2)), np.zeros(1), np.ones((1, 2)), ref_logp_BxT=ref, beta=0.5
+        lp, jnp.zeros((1, 2)), np.zeros(1), np.ones((1, 2)), cfg, ref_logp_BxT=ref
     )
     (loss, metrics), grad = jax.jit(jax.value_and_grad(fn, has_aux=True))(logp)
     np.testing.assert_allclose(loss, 0.5 * kl0 / 2, rtol=1e-6)
@@ -178,7 +174,7 @@ def test_k3_kl_to_reference_by_hand():
     # d KL / d logp = 1 - exp(ref - logp) = -1 on token 0, 0 on token 1; times β / 2 tokens.
     np.testing.assert_allclose(grad, [[-0.25, 0.0]], atol=1e-7)
     with pytest.raises(ValueError, match="needs ref_logp"):
-        objective.policy_loss(logp, logp, np.zeros(1), np.ones((1, 2)), beta=0.5)
+        objective.policy_loss(logp, logp, np.zeros(1), np.ones((1, 2)), cfg)
 
 
 def test_k3_kl_is_clamped_at_ten_like_the_recipe():
@@ -202,8 +198,9 @@ def test_token_logp_and_entropy_by_hand():
 
 def test_entropy_bonus_enters_the_loss():
     entropy = jnp.array([[1.0, 3.0]])
+    cfg = objective.PolicyLossConfig(entropy_coef=0.1)
     fn = lambda h: objective.policy_loss(
-        jnp.zeros((1, 2)), jnp.zeros((1, 2)), np.zeros(1), np.ones((1, 2)), entropy_BxT=h, entropy_coef=0.1
+        jnp.zeros((1, 2)), jnp.zeros((1, 2)), np.zeros(1), np.ones((1, 2)), cfg, entropy_BxT=h
     )
     (loss, metrics), grad = jax.jit(jax.value_and_grad(fn, has_aux=True))(entropy)
     np.testing.assert_allclose(metrics["entropy"], 2.0)
@@ -218,22 +215,11 @@ def test_micro_batch_shares_add_up_to_the_mini_batch_loss(agg_mode):
     mask = np.arange(8)[None] < lengths[:, None]
     logp, old = rng.normal(-2, 0.3, (2, 6, 8))
     adv = rng.normal(size=6)
-    kw = dict(
-        eps_low=0.2,
-        eps_high=0.28,
-        clip_ratio_c=3.0,
-        agg_mode=agg_mode,
-        ref_logp_BxT=None,
-        beta=0.0,
-        entropy_BxT=None,
-        entropy_coef=0.0,
-    )
-    whole, whole_metrics = objective.policy_loss(
-        logp, old, adv, mask, agg_mode=agg_mode, norm_const=8.0, clip_ratio_c=3.0
-    )
+    cfg = objective.PolicyLossConfig(clip_ratio_c=3.0, agg_mode=agg_mode, norm_const=8.0)
+    whole, whole_metrics = objective.policy_loss(logp, old, adv, mask, cfg)
     denom = objective.denominators(mask, agg_mode, 8.0)
     parts = [
-        objective.policy_loss_sum(logp[s], old[s], adv[s], mask[s], denom, **kw)
+        objective.policy_loss_sum(logp[s], old[s], adv[s], mask[s], denom, cfg)
         for s in (slice(0, 2), slice(2, 6))
     ]
     np.testing.assert_allclose(parts[0][0] + parts[1][0], whole, rtol=1e-6)
@@ -241,9 +227,6 @@ def test_micro_batch_shares_add_up_to_the_mini_batch_loss(agg_mode):
         np.testing.assert_allclose(parts[0][1][k] + parts[1][1][k], v, rtol=1e-6, atol=1e-7)
     # Normalising each part by its own denominator (verl #5625) gives a different loss here.
     own = [
-        objective.policy_loss(
-            logp[s], old[s], adv[s], mask[s], agg_mode=agg_mode, norm_const=8.0, clip_ratio_c=3.0
-        )[0]
-        for s in (slice(0, 2), slice(2, 6))
+        objective.policy_loss(logp[s], old[s], adv[s], mask[s], cfg)[0] for s in (slice(0, 2), slice(2, 6))
     ]
     assert abs((own[0] + own[1]) / 2 - whole) > 1e-3

@@ -80,16 +80,7 @@ def test_qwen3_greedy_rollouts_and_a_train_step_on_a_sharded_mesh(qwen3_dir):
     np.testing.assert_allclose(old_logp[:, 16:], np.asarray(out["logp"]), atol=1e-5)
     schedule = ts.learning_rate_schedule(1e-2, 0, "constant")
     opt = ts.make_optimizer(schedule, weight_decay=0.0, max_grad_norm=1e3)
-    loss = ts.LossConfig(
-        eps_low=0.2,
-        eps_high=0.28,
-        clip_ratio_c=10.0,
-        agg_mode="token-mean",
-        norm_const=None,
-        beta=0.0,
-        entropy_coef=0.0,
-        temperature=1.0,
-    )
+    loss = ts.LossConfig(clip_ratio_c=10.0, temperature=1.0)  # DAPO's loss
     step = ts.make_train_step(m, opt, schedule, loss, mesh, 1)
     state = ts.init_train_state(m, opt, mesh, params)
     before = jax.tree.map(np.asarray, params["layers_0"]["self_attn"])

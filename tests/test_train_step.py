@@ -107,11 +107,8 @@ def test_gradient_accumulation_is_invariant(agg_mode):
         batch.old_logp_BxT[:, 1:],
         batch.adv_B,
         batch.loss_mask_BxT[:, 1:],
-        clip_ratio_c=3.0,
-        agg_mode=agg_mode,
-        norm_const=16.0,
+        objective.PolicyLossConfig(clip_ratio_c=3.0, agg_mode=agg_mode, norm_const=16.0, beta=0.1),
         ref_logp_BxT=batch.ref_logp_BxT[:, 1:],
-        beta=0.1,
     )
     np.testing.assert_allclose(m1["loss"], loss, rtol=1e-5)
 

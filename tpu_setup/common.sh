@@ -1,8 +1,9 @@
 # Shell helpers sourced by every tpu_setup/ script (not run by itself).
-# `parse_common "$@"` takes the leading --dry-run / --queued flags; `run CMD...` runs a command, or
-# prints it (each argument quoted with printf %q, so that a shell reading the line gets the same
-# argument list) under --dry-run; `on_workers NAME ZONE WORKERS SCRIPT` runs a shell script on
-# workers of a TPU VM / pod slice ("all" or a number) through `gcloud ... ssh --command`.
+# `parse_flags "FLAG..." "$@"; shift "$NFLAGS"` takes the script's leading flags; `run CMD...`
+# runs a command, or prints it (each argument quoted with printf %q, so that a shell reading the
+# line gets the same argument list) under --dry-run; `on_workers NAME ZONE WORKERS SCRIPT` runs a
+# shell script on workers of a TPU VM / pod slice ("all" or a number) through `gcloud ... ssh
+# --command`.
 
 DRY_RUN=0 QUEUED=0
 REMOTE_TREE='~/dapo-jax'      # the installed working tree on every worker (~ is the worker's home)
@@ -23,6 +24,25 @@ quote_args() {  # each argument quoted for the workers' shell, joined by spaces
   local out=
   if [ $# -gt 0 ]; then printf -v out '%q ' "$@"; fi
   printf '%s' "${out% }"
+}
+
+parse_flags() {  # "FLAG..." "$@": the leading flags among the script's FLAGs (NAME, or NAME= for
+  # a flag with a value); --dry-run and --queued set DRY_RUN and QUEUED, the script's own go to its
+  # `own_flag FLAG`; any other flag is an error. NFLAGS: how many it took (the caller shifts them).
+  local allowed=" $1 " flag; shift
+  NFLAGS=0
+  while [ $# -gt 0 ]; do
+    case $1 in -*) ;; *) break ;; esac
+    case $1 in *=*) flag=${1%%=*}= ;; *) flag=$1 ;; esac
+    case $allowed in *" $flag "*) ;; *) die "unknown flag $1" ;; esac
+    case $1 in
+      --dry-run) DRY_RUN=1 ;;
+      --queued) QUEUED=1 ;;
+      *) own_flag "$1" ;;
+    esac
+    NFLAGS=$((NFLAGS + 1))
+    shift
+  done
 }
 
 expect_args() {  # N USAGE "$@": exactly N positional arguments, or the usage line

@@ -11,18 +11,13 @@
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 CAPACITY=()
-while [ $# -gt 0 ]; do
+own_flag() {
   case $1 in
-    --dry-run) DRY_RUN=1 ;;
-    --queued) QUEUED=1 ;;
-    --spot) CAPACITY=(--spot) ;;
-    --reserved) CAPACITY=(--reserved) ;;
+    --spot | --reserved) CAPACITY=("$1") ;;
     --on-demand) CAPACITY=() ;;
-    -*) die "unknown flag $1" ;;
-    *) break ;;
   esac
-  shift
-done
+}
+parse_flags "--dry-run --queued --spot --reserved --on-demand" "$@"; shift "$NFLAGS"
 expect_args 3 "[--dry-run] [--queued] [--spot | --reserved | --on-demand] NAME ZONE TYPE" "$@"
 NAME=$1 ZONE=$2 TYPE=$3
 case $TYPE in

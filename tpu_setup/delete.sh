@@ -4,15 +4,7 @@
 # Usage: tpu_setup/delete.sh [--dry-run] [--queued] NAME ZONE
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
-while [ $# -gt 0 ]; do
-  case $1 in
-    --dry-run) DRY_RUN=1 ;;
-    --queued) QUEUED=1 ;;
-    -*) die "unknown flag $1" ;;
-    *) break ;;
-  esac
-  shift
-done
+parse_flags "--dry-run --queued" "$@"; shift "$NFLAGS"
 expect_args 2 "[--dry-run] [--queued] NAME ZONE" "$@"
 if [ "$QUEUED" = 1 ]; then  # --force deletes the granted node with its request
   run gcloud compute tpus queued-resources delete "$1" --zone="$2" --force --quiet

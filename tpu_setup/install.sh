@@ -7,7 +7,7 @@
 # --dry-run prints the gcloud commands instead of running them.
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
-if [ "${1:-}" = --dry-run ]; then DRY_RUN=1; shift; fi
+parse_flags "--dry-run" "$@"; shift "$NFLAGS"
 expect_args 2 "[--dry-run] NAME ZONE" "$@"
 NAME=$1 ZONE=$2
 ROOT=$(cd "$(dirname "$0")/.." && pwd)

@@ -11,7 +11,7 @@
 # quoted again for the workers' shell. --dry-run prints the gcloud command.
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
-if [ "${1:-}" = --dry-run ]; then DRY_RUN=1; shift; fi
+parse_flags "--dry-run" "$@"; shift "$NFLAGS"
 if [ $# -lt 4 ]; then
   echo "usage: $(basename "$0") [--dry-run] NAME ZONE CONFIG WORKDIR [flags...]" >&2; exit 2
 fi

@@ -4,16 +4,13 @@
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 WORKER=0 FOLLOW=
-while [ $# -gt 0 ]; do
+own_flag() {
   case $1 in
-    --dry-run) DRY_RUN=1 ;;
     --follow) FOLLOW=-F ;;
     --worker=*) WORKER=${1#--worker=} ;;
-    -*) die "unknown flag $1" ;;
-    *) break ;;
   esac
-  shift
-done
+}
+parse_flags "--dry-run --follow --worker=" "$@"; shift "$NFLAGS"
 expect_args 2 "[--dry-run] [--follow] [--worker=N] NAME ZONE" "$@"
 case $WORKER in ''|*[!0-9]*) die "--worker=$WORKER: give a worker number (0, 1, ...)" ;; esac
 on_workers "$1" "$2" "$WORKER" "tail -n 200 $FOLLOW $REMOTE_LOGS/train.log"

@@ -10,7 +10,7 @@
 # config.model.path / config.data.* at it, relative to ~/dapo-jax or absolute).
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
-if [ "${1:-}" = --dry-run ]; then DRY_RUN=1; shift; fi
+parse_flags "--dry-run" "$@"; shift "$NFLAGS"
 expect_args 4 "[--dry-run] NAME ZONE SOURCE DEST" "$@"
 NAME=$1 ZONE=$2 SOURCE=$3 DEST=$4
 case $SOURCE in

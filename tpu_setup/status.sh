@@ -5,15 +5,7 @@
 # Usage: tpu_setup/status.sh [--dry-run] [--queued] NAME ZONE
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
-while [ $# -gt 0 ]; do
-  case $1 in
-    --dry-run) DRY_RUN=1 ;;
-    --queued) QUEUED=1 ;;
-    -*) die "unknown flag $1" ;;
-    *) break ;;
-  esac
-  shift
-done
+parse_flags "--dry-run --queued" "$@"; shift "$NFLAGS"
 expect_args 2 "[--dry-run] [--queued] NAME ZONE" "$@"
 if [ "$QUEUED" = 1 ]; then
   run gcloud compute tpus queued-resources describe "$1" --zone="$2" --format='value(state.state)'

@@ -5,7 +5,7 @@
 # Usage: tpu_setup/stop.sh [--dry-run] NAME ZONE
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
-if [ "${1:-}" = --dry-run ]; then DRY_RUN=1; shift; fi
+parse_flags "--dry-run" "$@"; shift "$NFLAGS"
 expect_args 2 "[--dry-run] NAME ZONE" "$@"
 # Only a pid that still runs dapo_jax.train (not a recycled one); -ww: the whole command line,
 # not the first 80 columns (a long venv path would hide the module).

@@ -10,7 +10,6 @@ backward, clipping, AdamW; logging comes after); generation is its
 import os
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import datasets  # noqa: E402
@@ -20,37 +19,28 @@ import trl  # noqa: E402
 import workload  # noqa: E402
 
 
-class StepTimer(transformers.TrainerCallback):
-    """Per optimizer step: wall time, generation time and response tokens."""
+class StepCallback(transformers.TrainerCallback):
+    """Times each optimizer step from on_step_begin to on_step_end into a `workload.StepTimer`."""
 
-    def __init__(self):
-        self.steps, self.gen_s, self.tokens, self._t0 = [], 0.0, 0, 0.0
+    def __init__(self, timer: workload.StepTimer):
+        self.timer = timer
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self.gen_s, self.tokens, self._t0 = 0.0, 0, time.perf_counter()
+        self.timer.begin()
 
     def on_step_end(self, args, state, control, **kwargs):
-        step_s = time.perf_counter() - self._t0
-        self.steps.append(
-            {"step_s": step_s, "gen_s": self.gen_s, "update_s": step_s - self.gen_s, "tokens": self.tokens}
-        )
-
-    def wrap_generation(self, trainer):
-        generate = trainer._generate_and_score_completions  # pylint: disable=protected-access
-
-        def timed(*args, **kwargs):
-            t = time.perf_counter()
-            out = generate(*args, **kwargs)
-            self.gen_s += time.perf_counter() - t
-            self.tokens += int(out["completion_mask"].sum())
-            return out
-
-        trainer._generate_and_score_completions = timed  # pylint: disable=protected-access
+        self.timer.end()
 
 
-def reward(prompts, completions, **kwargs):
-    del prompts, kwargs
-    return [workload.digit_fraction(c) for c in completions]
+def time_trainer(trainer) -> workload.StepTimer:
+    """A timer of `trainer`'s steps, its `_generate_and_score_completions` as the generation."""
+    timer = workload.StepTimer()
+    trainer._generate_and_score_completions = timer.wrap_generation(  # pylint: disable=protected-access
+        trainer._generate_and_score_completions,  # pylint: disable=protected-access
+        tokens=lambda out: int(out["completion_mask"].sum()),
+    )
+    trainer.add_callback(StepCallback(timer))
+    return timer
 
 
 def main():
@@ -101,14 +91,12 @@ def main():
     )
     trainer = trl.GRPOTrainer(
         model=model,
-        reward_funcs=reward,
+        reward_funcs=workload.reward,
         args=args,
         train_dataset=datasets.Dataset.from_dict({"prompt": spec["prompts"]}),
         processing_class=tokenizer,
     )
-    timer = StepTimer()
-    timer.wrap_generation(trainer)
-    trainer.add_callback(timer)
+    timer = time_trainer(trainer)
     trainer.train()
     settings = {
         "version": f"trl {trl.__version__}, transformers {transformers.__version__}, "

@@ -12,7 +12,6 @@ __post_init__ wants None, the learner then tests `beta != 0.0`).
 
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
@@ -49,45 +48,21 @@ def qwen2(model_dir: str, mesh):
     return qwen2_params.create_model_from_safe_tensors(model_dir, config, mesh, dtype=jnp.float32)
 
 
-class StepTimer:
-    """Per global step: wall time, generation time and response tokens."""
-
-    def __init__(self, learner):
-        self.steps, self.gen_s, self.tokens = [], 0.0, 0
-        generate, step = learner._generate_and_compute_advantage, learner._run_global_step  # pylint: disable=protected-access
-        model = learner.rl_cluster.actor_trainer.model
-
-        def timed_generate(*args, **kwargs):
-            t = time.perf_counter()
-            out = generate(*args, **kwargs)
-            jax.block_until_ready(out.completion_mask)
-            self.gen_s += time.perf_counter() - t
-            self.tokens += int(np.asarray(out.completion_mask).sum())
-            return out
-
-        def timed_step(*args, **kwargs):
-            self.gen_s, self.tokens = 0.0, 0
-            t = time.perf_counter()
-            out = step(*args, **kwargs)
-            jax.block_until_ready(nnx.state(model, nnx.Param))
-            step_s = time.perf_counter() - t
-            self.steps.append(
-                {
-                    "step_s": step_s,
-                    "gen_s": self.gen_s,
-                    "update_s": step_s - self.gen_s,
-                    "tokens": self.tokens,
-                }
-            )
-            return out
-
-        learner._generate_and_compute_advantage = timed_generate  # pylint: disable=protected-access
-        learner._run_global_step = timed_step  # pylint: disable=protected-access
-
-
-def reward(prompts, completions, **kwargs):
-    del prompts, kwargs
-    return [workload.digit_fraction(c) for c in completions]
+def time_learner(learner) -> workload.StepTimer:
+    """A timer of `learner`'s global steps (until the actor's parameters are ready), its
+    `_generate_and_compute_advantage` as the generation (until the completion mask is ready)."""
+    timer = workload.StepTimer()
+    model = learner.rl_cluster.actor_trainer.model
+    learner._generate_and_compute_advantage = timer.wrap_generation(  # pylint: disable=protected-access
+        learner._generate_and_compute_advantage,  # pylint: disable=protected-access
+        tokens=lambda out: int(np.asarray(out.completion_mask).sum()),
+        ready=lambda out: jax.block_until_ready(out.completion_mask),
+    )
+    learner._run_global_step = timer.wrap_step(  # pylint: disable=protected-access
+        learner._run_global_step,  # pylint: disable=protected-access
+        ready=lambda: jax.block_until_ready(nnx.state(model, nnx.Param)),
+    )
+    return timer
 
 
 def main():
@@ -140,8 +115,8 @@ def main():
         overlong_buffer=None,
     )
     algo.beta = 0.0
-    learner = dapo_learner.DAPOLearner(rl_cluster=cluster, algo_config=algo, reward_fns=[reward])
-    timer = StepTimer(learner)
+    learner = dapo_learner.DAPOLearner(rl_cluster=cluster, algo_config=algo, reward_fns=[workload.reward])
+    timer = time_learner(learner)
     batches = [{"prompts": np.array(spec["prompts"])} for _ in range(spec["warmup"] + spec["steps"])]
     learner.train(batches)
     import tunix  # pylint: disable=import-outside-toplevel
