@@ -112,16 +112,18 @@ def _prompt_width(batch: TrainBatch, length_bucket: int) -> int:
 
 
 def _rollout(
-    batch: TrainBatch, group_size: int, normalize_std: bool, length_bucket: int
+    batch: TrainBatch, group_size: int, normalize_std: bool, length_bucket: int, cut_responses: bool = True
 ) -> train_step.Rollout:
     """Host arrays of the train batch: prompt + response tokens, masks and advantages A_i.
 
     Response columns past the longest response, and prompt columns before the longest prompt,
     are cut, each width rounded up to a multiple of `length_bucket`: the trainer then compiles
-    few shapes and does not spend its FLOPs on padding when prompts or responses are short."""
+    few shapes and does not spend its FLOPs on padding when prompts or responses are short.
+    Without `cut_responses` all N response columns stay (length-sorted micro-batches cut each
+    run themselves, and a fixed T keeps their programs to one per width, not per width and T)."""
     rows, valid_B = batch.rows, batch.valid_B
     n = rows.tokens_BxN.shape[1]
-    width = train_step.bucket_width(int(rows.length_B.max()), length_bucket, n)
+    width = train_step.bucket_width(int(rows.length_B.max()), length_bucket, n) if cut_responses else n
     q0 = rows.prompt_tokens_BxQ.shape[1] - _prompt_width(batch, length_bucket)
     prompt_mask_BxQ = rows.prompt_mask_BxQ[:, q0:]
     response_mask_BxN = rows.mask_BxN[:, :width]
@@ -385,7 +387,13 @@ def _step(
     t0 = time.time()
     batch, filter_stats = _sample_train_batch(run, run.rollout_weights(state.params), prompts, filt, step)
     t_rollout = time.time() - t0
-    host = _rollout(batch, c.rollout.group_size, c.loss.normalize_std, c.train.length_bucket)
+    host = _rollout(
+        batch,
+        c.rollout.group_size,
+        c.loss.normalize_std,
+        c.train.length_bucket,
+        not c.train.sort_micro_batches,
+    )
     prompt_width = _prompt_width(batch, c.train.length_bucket)
     device = train_step.Rollout(*(_to_device(x, run.mesh) for x in host))
     t1 = time.time()

@@ -10,6 +10,9 @@ Per-token arrays are aligned with tokens_BxT: entry t is about token t (its log-
 the logits at t - 1); entry 0 has no predecessor, is 0 and must be outside the loss mask.
 A rollout batch is split into k mini-batches, one update each (`train_on_rollout`); pi_old and
 pi_ref log-probs are computed once before the first update by `compute_logprobs`.
+With `train.sort_micro_batches` the micro-batches are runs of rows sorted by length instead, each
+cut to its own width, one program per width (`make_length_sorted_train_step`,
+`make_length_sorted_logprobs`): the same sums over fewer padding tokens.
 """
 
 from __future__ import annotations
@@ -342,11 +345,12 @@ def bucket_width(needed: int, bucket: int, at_most: int) -> int:
 
 
 def length_sorted_micro_batches(end_B, num_micro_batches: int, bucket: int, max_width: int) -> list[tuple]:
-    """`[(rows_b, width)]`: the rows sorted by where their tokens end (`end_B`, one past each row's
-    last real column), cut into `num_micro_batches` equal runs, each with the width its longest
-    row needs rounded up to a multiple of `bucket`, at most `max_width` (the batch's). Short rows share
-    narrow micro-batches, so the trained padding follows each run's longest row, not the
-    mini-batch's; widths ascend, and there are at most width / bucket distinct ones (one program each)."""
+    """`[(rows_b, width)]`: the rows sorted by where their tokens end (`end_B`, one past each
+    row's last real column), cut into `num_micro_batches` equal runs, each with the width its
+    longest row needs rounded up to a multiple of `bucket`, at most `max_width` (the batch's).
+    Short rows share narrow micro-batches, so the trained padding follows each run's longest
+    row, not the mini-batch's; widths ascend, at most max_width / bucket distinct ones (a
+    program each)."""
     end_B = np.asarray(end_B)
     if len(end_B) % num_micro_batches:
         raise ValueError(f"batch of {len(end_B)} rows does not split into {num_micro_batches} micro-batches")
@@ -358,9 +362,19 @@ def length_sorted_micro_batches(end_B, num_micro_batches: int, bucket: int, max_
     ]
 
 
-def _row_ends(mask_BxT):
-    """One past each row's last real column (0 for an empty row)."""
-    return jnp.max(jnp.where(mask_BxT, jnp.arange(1, mask_BxT.shape[1] + 1), 0), axis=1)
+@functools.partial(jax.jit, static_argnums=0)
+def _row_ends(mesh, mask_BxT):
+    """One past each row's last real column (0 for an empty row), replicated on `mesh`."""
+    end_B = jnp.max(jnp.where(mask_BxT, jnp.arange(1, mask_BxT.shape[1] + 1), 0), axis=1)
+    return jax.lax.with_sharding_constraint(end_B, sharding.replicated(mesh))
+
+
+def _device_plan(mesh, num_micro_batches: int, bucket: int, mask_BxT) -> list[tuple]:
+    """`length_sorted_micro_batches` of the rows of `mask_BxT` (their ends brought to every
+    host), each run's row indices replicated on `mesh`."""
+    end_B = sharding.to_host(_row_ends(mesh, mask_BxT))
+    plan = length_sorted_micro_batches(end_B, num_micro_batches, bucket, mask_BxT.shape[1])
+    return [(jax.device_put(rows, sharding.replicated(mesh)), width) for rows, width in plan]
 
 
 def _zero_accumulator(model, loss_cfg, params, mini: Batch):
@@ -423,19 +437,6 @@ def make_length_sorted_train_step(
             return apply(state, acc, mini)
 
     return step
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _row_ends_jit(mesh, mask_BxT):
-    return jax.lax.with_sharding_constraint(_row_ends(mask_BxT), sharding.replicated(mesh))
-
-
-def _device_plan(mesh, num_micro_batches: int, bucket: int, mask_BxT) -> list[tuple]:
-    """`length_sorted_micro_batches` of the rows of `mask_BxT` (brought to every host), each
-    run's row indices replicated on `mesh`."""
-    end_B = sharding.to_host(_row_ends_jit(mesh, mask_BxT))
-    plan = length_sorted_micro_batches(end_B, num_micro_batches, bucket, mask_BxT.shape[1])
-    return [(jax.device_put(rows, sharding.replicated(mesh)), width) for rows, width in plan]
 
 
 def _logp_into(model, temperature: float, width: int, logp_BxT, params, tokens_BxT, mask_BxT, rows_b):
