@@ -388,23 +388,7 @@ def build(c: ml_collections.ConfigDict, workdir: str) -> Run:
         SamplingConfig(temperature=c.eval.temperature, top_p=c.eval.top_p, **sampling),
         sampler_mesh,
     )
-    optimizer, schedule = make_optimizer(c)
-    loss_cfg = loss_config(c)
-    g = c.rollout.group_size
-    num_micro = c.train.mini_batch_prompts * g // c.train.micro_batch_size
-    if c.train.sort_micro_batches:
-        step_fn = train_step.make_length_sorted_train_step(
-            m, optimizer, schedule, loss_cfg, mesh, num_micro, c.train.length_bucket
-        )
-    else:
-        step_fn = train_step.make_train_step(m, optimizer, schedule, loss_cfg, mesh, num_micro)
-    num_micro_logp = c.train.train_batch_prompts * g // c.train.micro_batch_size
-    if c.train.sort_micro_batches:
-        logprobs_fn = train_step.make_length_sorted_logprobs(
-            m, mesh, c.rollout.temperature, num_micro_logp, c.train.length_bucket
-        )
-    else:
-        logprobs_fn = train_step.make_compute_logprobs(m, mesh, c.rollout.temperature, num_micro_logp)
+    optimizer, step_fn, logprobs_fn = update_fns(c, m, mesh)
     shaping = rollout.RewardShaping(
         max_len=c.rollout.max_new_tokens,
         buffer_len=c.reward.overlong_buffer,
@@ -438,6 +422,27 @@ def build(c: ml_collections.ConfigDict, workdir: str) -> Run:
         train_examples,
         eval_examples,
         ref_params,
+    )
+
+
+def update_fns(c: ml_collections.ConfigDict, m: model.Transformer, mesh):
+    """`(optimizer, train_step, logprobs_fn)`: the compiled update of a mini-batch and the
+    log-prob pass of a rollout batch, over micro-batches of train.micro_batch_size rows, sorted
+    by length and cut to their own widths with train.sort_micro_batches."""
+    optimizer, schedule = make_optimizer(c)
+    loss_cfg, temperature, bucket = loss_config(c), c.rollout.temperature, c.train.length_bucket
+    micro = lambda prompts: prompts * c.rollout.group_size // c.train.micro_batch_size
+    mini, whole = micro(c.train.mini_batch_prompts), micro(c.train.train_batch_prompts)
+    if c.train.sort_micro_batches:
+        return (
+            optimizer,
+            train_step.make_length_sorted_train_step(m, optimizer, schedule, loss_cfg, mesh, mini, bucket),
+            train_step.make_length_sorted_logprobs(m, mesh, temperature, whole, bucket),
+        )
+    return (
+        optimizer,
+        train_step.make_train_step(m, optimizer, schedule, loss_cfg, mesh, mini),
+        train_step.make_compute_logprobs(m, mesh, temperature, whole),
     )
 
 
