@@ -115,40 +115,9 @@ def check_workdir(workdir: str) -> None:
 def check_config(c: ml_collections.ConfigDict) -> None:
     """One-line errors for out-of-range values, missing paths, bad data files and inconsistent
     sizes, before any compilation."""
-
-    def need_file(path, what):
-        if not os.path.exists(path):
-            raise ConfigError(f"{what} {path!r} does not exist")
-
     check_ranges(c)
-    need_file(os.path.join(c.model.path, "config.json"), "base model (config.model.path): file")
-    if c.loss.beta > 0:
-        if not c.reference.path:
-            raise ConfigError("loss.beta > 0 needs a reference model: set config.reference.path")
-        need_file(os.path.join(c.reference.path, "config.json"), "reference model: file")
-    tokenizer_dir = c.model.tokenizer_path or c.model.path
-    if not hf_io.has_tokenizer(tokenizer_dir):
-        raise ConfigError(
-            f"tokenizer directory {tokenizer_dir!r} holds no tokenizer (one of "
-            f"{', '.join(hf_io.TOKENIZER_FILES)}): set model.tokenizer_path to the "
-            "folder of the model's tokenizer"
-        )
-    if not c.data.train_files:
-        raise ConfigError("config.data.train_files is empty")
-    for f in list(c.data.train_files) + list(c.data.eval_files):
-        data.check_data_file(f)
-    if not c.data.prompt_buckets or min(c.data.prompt_buckets) < 1:
-        raise ConfigError(f"data.prompt_buckets must be positive lengths, got {tuple(c.data.prompt_buckets)}")
-    if c.data.max_prompt_len > max(c.data.prompt_buckets):
-        raise ConfigError(
-            f"data.max_prompt_len {c.data.max_prompt_len} exceeds the largest "
-            f"prompt bucket {max(c.data.prompt_buckets)}"
-        )
-    if c.reward.overlong_buffer > c.rollout.max_new_tokens:
-        raise ConfigError(
-            f"reward.overlong_buffer {c.reward.overlong_buffer} exceeds "
-            f"rollout.max_new_tokens {c.rollout.max_new_tokens}"
-        )
+    _check_paths(c)
+    _check_sizes(c)
     if 0 < c.loss.clip_ratio_c <= 1:
         raise ConfigError(f"loss.clip_ratio_c must be 0 (off) or > 1, got {c.loss.clip_ratio_c}")
     if not hasattr(jax.checkpoint_policies, c.model.remat_policy):
@@ -173,6 +142,47 @@ def check_config(c: ml_collections.ConfigDict) -> None:
         except (ValueError, ImportError) as e:
             raise ConfigError(f"config.{section}: {e}") from None
     _check_tracking(c)
+
+
+def _check_paths(c: ml_collections.ConfigDict) -> None:
+    """The model, reference and tokenizer folders and the data files exist and read."""
+
+    def need_file(path, what):
+        if not os.path.exists(path):
+            raise ConfigError(f"{what} {path!r} does not exist")
+
+    need_file(os.path.join(c.model.path, "config.json"), "base model (config.model.path): file")
+    if c.loss.beta > 0:
+        if not c.reference.path:
+            raise ConfigError("loss.beta > 0 needs a reference model: set config.reference.path")
+        need_file(os.path.join(c.reference.path, "config.json"), "reference model: file")
+    tokenizer_dir = c.model.tokenizer_path or c.model.path
+    if not hf_io.has_tokenizer(tokenizer_dir):
+        raise ConfigError(
+            f"tokenizer directory {tokenizer_dir!r} holds no tokenizer (one of "
+            f"{', '.join(hf_io.TOKENIZER_FILES)}): set model.tokenizer_path to the "
+            "folder of the model's tokenizer"
+        )
+    if not c.data.train_files:
+        raise ConfigError("config.data.train_files is empty")
+    for f in list(c.data.train_files) + list(c.data.eval_files):
+        data.check_data_file(f)
+
+
+def _check_sizes(c: ml_collections.ConfigDict) -> None:
+    """Prompt buckets, the overlong buffer and the batch sizes fit one another."""
+    if not c.data.prompt_buckets or min(c.data.prompt_buckets) < 1:
+        raise ConfigError(f"data.prompt_buckets must be positive lengths, got {tuple(c.data.prompt_buckets)}")
+    if c.data.max_prompt_len > max(c.data.prompt_buckets):
+        raise ConfigError(
+            f"data.max_prompt_len {c.data.max_prompt_len} exceeds the largest "
+            f"prompt bucket {max(c.data.prompt_buckets)}"
+        )
+    if c.reward.overlong_buffer > c.rollout.max_new_tokens:
+        raise ConfigError(
+            f"reward.overlong_buffer {c.reward.overlong_buffer} exceeds "
+            f"rollout.max_new_tokens {c.rollout.max_new_tokens}"
+        )
     t, g = c.train, c.rollout.group_size
     if t.train_batch_prompts % t.mini_batch_prompts:
         raise ConfigError(
@@ -366,28 +376,7 @@ def build(c: ml_collections.ConfigDict, workdir: str) -> Run:
     m = model.Transformer(mcfg)
     tokenizer = hf_io.load_tokenizer(c.model.tokenizer_path or c.model.path)
     hf_io.check_vocab(mcfg, tokenizer, os.path.join(c.model.path, "config.json"))
-    eos = tuple(sorted({tokenizer.eos_token_id, *_ids(hf_config.get("eos_token_id"))}))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    sampling = dict(
-        max_new_tokens=c.rollout.max_new_tokens,
-        eos_ids=eos,
-        pad_id=pad,
-        prompt_buckets=tuple(c.data.prompt_buckets),
-        top_k=c.rollout.top_k,
-        decode_slots=c.rollout.decode_slots,
-    )
-    sampler_model, sampler_mesh, rollout_weights = sampler_weights(c, m, mesh)
-    sampler = Sampler(
-        sampler_model,
-        SamplingConfig(temperature=c.rollout.temperature, top_p=c.rollout.top_p, **sampling),
-        sampler_mesh,
-        c.rollout.micro_batch_prompts,
-    )
-    eval_sampler = Sampler(
-        sampler_model,
-        SamplingConfig(temperature=c.eval.temperature, top_p=c.eval.top_p, **sampling),
-        sampler_mesh,
-    )
+    sampler, eval_sampler, rollout_weights = samplers(c, m, mesh, tokenizer, hf_config)
     optimizer, step_fn, logprobs_fn = update_fns(c, m, mesh)
     shaping = rollout.RewardShaping(
         max_len=c.rollout.max_new_tokens,
@@ -423,6 +412,35 @@ def build(c: ml_collections.ConfigDict, workdir: str) -> Run:
         eval_examples,
         ref_params,
     )
+
+
+def samplers(c: ml_collections.ConfigDict, m: model.Transformer, mesh, tokenizer, hf_config: dict):
+    """`(sampler, eval_sampler, rollout_weights)`: the rollout's sampler (rollout.*), the held-out
+    one (eval.temperature / top_p), both on `sampler_weights`' model and mesh, and the function
+    that makes their weights from the trainer's params. EOS: the tokenizer's and config.json's."""
+    eos = tuple(sorted({tokenizer.eos_token_id, *_ids(hf_config.get("eos_token_id"))}))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    sampling = dict(
+        max_new_tokens=c.rollout.max_new_tokens,
+        eos_ids=eos,
+        pad_id=pad,
+        prompt_buckets=tuple(c.data.prompt_buckets),
+        top_k=c.rollout.top_k,
+        decode_slots=c.rollout.decode_slots,
+    )
+    sampler_model, sampler_mesh, rollout_weights = sampler_weights(c, m, mesh)
+    sampler = Sampler(
+        sampler_model,
+        SamplingConfig(temperature=c.rollout.temperature, top_p=c.rollout.top_p, **sampling),
+        sampler_mesh,
+        c.rollout.micro_batch_prompts,
+    )
+    eval_sampler = Sampler(
+        sampler_model,
+        SamplingConfig(temperature=c.eval.temperature, top_p=c.eval.top_p, **sampling),
+        sampler_mesh,
+    )
+    return sampler, eval_sampler, rollout_weights
 
 
 def update_fns(c: ml_collections.ConfigDict, m: model.Transformer, mesh):

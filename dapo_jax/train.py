@@ -424,19 +424,9 @@ def _step(
         )
     else:  # the first update's params are the sampler's: its rows check the sampler
         agreement = {f"rollout/{k}": float(updates[0][k]) for k in ("logp_diff_mean", "logp_diff_max")}
-    out = {
-        **_data_metrics(batch),
-        **filter_stats,
-        **agreement,
-        **{
-            f"actor/{k}": float(np.mean([u[k] for u in updates]))
-            for k in updates[0]
-            if not k.startswith("logp_diff")
-        },
-    }
+    out = {**_data_metrics(batch), **filter_stats, **agreement, **_actor_metrics(updates)}
     out.update(
         {
-            "actor/skipped_updates": int(sum(u["skipped"] for u in updates)),
             "timing/rollout_s": t_rollout,
             "timing/train_s": t_train,
             "timing/step_s": time.time() - t0,
@@ -447,6 +437,18 @@ def _step(
         }
     )
     return state, out, batch
+
+
+def _actor_metrics(updates: list[dict]) -> dict:
+    """actor/*: the step's updates' metrics averaged over its mini-batches (not logp_diff_*: the
+    sampler check reads the first update's) and actor/skipped_updates, their count of skips."""
+    out = {
+        f"actor/{k}": float(np.mean([u[k] for u in updates]))
+        for k in updates[0]
+        if not k.startswith("logp_diff")
+    }
+    out["actor/skipped_updates"] = int(sum(u["skipped"] for u in updates))
+    return out
 
 
 def completion_records(

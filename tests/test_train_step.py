@@ -140,13 +140,15 @@ def test_detached_old_logp_is_the_recomputed_one_and_measures_the_sampler():
 
 
 @functools.cache  # one compilation per setting, shared by the tests
-def make_step(mesh):
+def make_step(mesh, sorted_bucket=0):
+    """Two micro-batches: scanned, or length-sorted with widths in multiples of `sorted_bucket`."""
     # eps = 1 makes Adam's first update ~ lr * g / (|g| + 1): smooth in g, so that float noise
     # in a near-zero gradient cannot flip the sign of an update as g / |g| would.
     schedule = ts.learning_rate_schedule(0.1, 0, "constant")
     opt = ts.make_optimizer(schedule, weight_decay=0.1, max_grad_norm=1e3, eps=1.0)
-    step = ts.make_train_step(MODEL, opt, schedule, loss_cfg(), mesh, 2)
-    return opt, step
+    if sorted_bucket:
+        return opt, ts.make_length_sorted_train_step(MODEL, opt, schedule, loss_cfg(), mesh, 2, sorted_bucket)
+    return opt, ts.make_train_step(MODEL, opt, schedule, loss_cfg(), mesh, 2)
 
 
 @pytest.mark.slow
@@ -202,9 +204,7 @@ def test_length_sorted_step_and_logprobs_equal_the_full_width_ones():
 
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     params8 = jax.device_put(jax.tree.map(np.asarray, params0), sharding.param_shardings(MODEL, mesh))
-    schedule = ts.learning_rate_schedule(0.1, 0, "constant")
-    opt8 = ts.make_optimizer(schedule, weight_decay=0.1, max_grad_norm=1e3, eps=1.0)
-    sorted_step = ts.make_length_sorted_train_step(MODEL, opt8, schedule, loss_cfg(), mesh, 2, bucket=4)
+    opt8, sorted_step = make_step(mesh, sorted_bucket=4)
     state8, m8 = sorted_step(ts.init_train_state(MODEL, opt8, mesh, params8), batch)
     assert set(m8) == set(m1)
     for k in m1:
