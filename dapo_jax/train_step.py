@@ -49,6 +49,11 @@ class LossConfig(objective.PolicyLossConfig):
     temperature: float  # the rollout temperature; log-probs come from logits / temperature
     old_logp: str = "recompute"  # where log pi_old comes from: one of OLD_LOGP
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.old_logp not in OLD_LOGP:
+            raise ValueError(f"unknown old_logp {self.old_logp!r}; use one of {OLD_LOGP}")
+
 
 class TrainState(NamedTuple):
     step: jax.Array  # int32, optimizer updates applied (skipped steps not counted)
@@ -259,11 +264,6 @@ def micro_loss(model, loss_cfg: LossConfig, denom: objective.Denominators, param
     return loss, metrics
 
 
-def _check_old_logp(loss_cfg: LossConfig) -> None:
-    if loss_cfg.old_logp not in OLD_LOGP:
-        raise ValueError(f"unknown old_logp {loss_cfg.old_logp!r}; use one of {OLD_LOGP}")
-
-
 def _add_metrics(total: dict, part: dict) -> dict:
     """Micro-batch metrics summed (they are shares), `*_max` ones maximized."""
     return {k: jnp.maximum(total[k], v) if k.endswith("_max") else total[k] + v for k, v in part.items()}
@@ -276,7 +276,6 @@ def loss_and_grads(model, loss_cfg: LossConfig, params, batch: Batch, num_micro_
     and metrics are its additive share and the scan sums them: 1, 2 or 4 micro-batches give the same
     gradient as one pass.
     """
-    _check_old_logp(loss_cfg)
     denom = objective.denominators(batch.loss_mask_BxT, loss_cfg.agg_mode, loss_cfg.norm_const)
     grad_fn = jax.value_and_grad(functools.partial(micro_loss, model, loss_cfg, denom), has_aux=True)
 
@@ -378,16 +377,16 @@ def _device_plan(mesh, num_micro_batches: int, bucket: int, mask_BxT) -> list[tu
 
 
 def _zero_accumulator(model, loss_cfg, params, mini: Batch):
-    """Zero gradients and zero metrics of `micro_loss`'s structure."""
+    """`((zero gradients, zero metrics of micro_loss's structure), the mini-batch's denominators)`."""
     denom = objective.denominators(mini.loss_mask_BxT, loss_cfg.agg_mode, loss_cfg.norm_const)
     shapes = jax.eval_shape(lambda p, b: micro_loss(model, loss_cfg, denom, p, b)[1], params, mini)
-    return jax.tree.map(jnp.zeros_like, params), jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+    zeros = jax.tree.map(jnp.zeros_like, params), jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+    return zeros, denom
 
 
-def _accumulate(model, loss_cfg, width: int, acc, params, mini: Batch, rows_b):
+def _accumulate(model, loss_cfg, width: int, acc, params, mini: Batch, rows_b, denom):
     """`acc` plus the gradient and metrics of the micro-batch of rows `rows_b`, columns [0, width)."""
     grads, metrics = acc
-    denom = objective.denominators(mini.loss_mask_BxT, loss_cfg.agg_mode, loss_cfg.norm_const)
     take = lambda x: nn.with_logical_constraint(
         x[rows_b] if x.ndim == 1 else x[rows_b, :width], ("batch",) + (None,) * (x.ndim - 1)
     )
@@ -396,9 +395,8 @@ def _accumulate(model, loss_cfg, width: int, acc, params, mini: Batch, rows_b):
     return jax.tree.map(jnp.add, grads, g), _add_metrics(metrics, m)
 
 
-def _apply_accumulated(optimizer, schedule, loss_cfg, state: TrainState, acc, mini: Batch):
+def _apply_accumulated(optimizer, schedule, state: TrainState, acc, denom):
     grads, metrics = acc
-    denom = objective.denominators(mini.loss_mask_BxT, loss_cfg.agg_mode, loss_cfg.norm_const)
     return apply_gradients(optimizer, schedule, state, grads, {**metrics, "loss_tokens": denom.tokens})
 
 
@@ -411,10 +409,12 @@ def make_length_sorted_train_step(
     (the denominators are the mini-batch's), up to the order of the float sums; it skips the
     padding of rows shorter than the mini-batch's longest, at the cost of a program per width
     (bounded by T / bucket) and a host round trip per mini-batch for the rows' lengths."""
-    _check_old_logp(loss_cfg)
     state_sh = state_shardings(model, optimizer, mesh)
     acc_sh = (state_sh.params, sharding.replicated(mesh))
-    zeros = jax.jit(functools.partial(_zero_accumulator, model, loss_cfg), out_shardings=acc_sh)
+    zeros = jax.jit(
+        functools.partial(_zero_accumulator, model, loss_cfg),
+        out_shardings=(acc_sh, sharding.replicated(mesh)),
+    )
     accumulate = jax.jit(
         functools.partial(_accumulate, model, loss_cfg),
         static_argnums=0,
@@ -422,7 +422,7 @@ def make_length_sorted_train_step(
         donate_argnums=1,
     )
     apply = jax.jit(
-        functools.partial(_apply_accumulated, optimizer, schedule, loss_cfg),
+        functools.partial(_apply_accumulated, optimizer, schedule),
         out_shardings=(state_sh, sharding.replicated(mesh)),
         donate_argnums=0,
     )
@@ -431,10 +431,10 @@ def make_length_sorted_train_step(
 
     def step(state: TrainState, mini: Batch):
         with sharding.activate(mesh):
-            acc = zeros(state.params, mini)
+            acc, denom = zeros(state.params, mini)
             for rows, width in plan(mini.mask_BxT):
-                acc = accumulate(width, acc, state.params, mini, rows)
-            return apply(state, acc, mini)
+                acc = accumulate(width, acc, state.params, mini, rows, denom)
+            return apply(state, acc, denom)
 
     return step
 
