@@ -265,38 +265,34 @@ def write_report(workdir: str, out_dir: str) -> str:
         "| dual | entropy | length | truncated | steps (responses) to threshold |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name in names:
-        ss = summaries[name]
-        if not ss:
-            lines.append(f"| {name} | {module.PAPER_AIME24.get(name, '-')} | not run |" + " |" * 9)
-            continue
-        reach = [_first_reaching(s["evals"], threshold) for s in ss] if threshold else []
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    name,
-                    str(module.PAPER_AIME24.get(name, "-")),
-                    _fmt([s["after"] for s in ss]),
-                    _fmt([s["after"] - s["before"] for s in ss]),
-                    f"{np.mean([s['generated'] for s in ss]):,.0f}",
-                    _fmt([s["clip_upper"] for s in ss], 4),
-                    _fmt([s["clip_lower"] for s in ss], 4),
-                    _fmt([s["clip_dual"] for s in ss], 4),
-                    _fmt([s["entropy"] for s in ss], 4),
-                    _fmt([s["length"] for s in ss], 1),
-                    _fmt([s["truncated"] for s in ss], 4),
-                    ", ".join("never" if r is None else f"{r[0]} ({r[1]:,})" for r in reach) or "-",
-                ]
-            )
-            + " |"
-        )
+    lines += [
+        _table_row(name, summaries[name], module.PAPER_AIME24.get(name, "-"), threshold) for name in names
+    ]
     table = os.path.join(out_dir, "table.md")
     with open(table, "w") as f:
         f.write("\n".join(lines) + "\n")
     for figure in FIGURES:
         _plot(figure, runs, group_size, out_dir)
     return table
+
+
+def _table_row(name: str, ss: list[dict], paper, threshold: float | None) -> str:
+    """The table line of row `name` from its per-seed summaries `ss` (paper: its AIME24 figure)."""
+    if not ss:
+        return f"| {name} | {paper} | not run |" + " |" * 9
+    reach = [_first_reaching(s["evals"], threshold) for s in ss] if threshold else []
+    cells = [
+        name,
+        str(paper),
+        _fmt([s["after"] for s in ss]),
+        _fmt([s["after"] - s["before"] for s in ss]),
+        f"{np.mean([s['generated'] for s in ss]):,.0f}",
+        *(_fmt([s[k] for s in ss], 4) for k in ("clip_upper", "clip_lower", "clip_dual", "entropy")),
+        _fmt([s["length"] for s in ss], 1),
+        _fmt([s["truncated"] for s in ss], 4),
+        ", ".join("never" if r is None else f"{r[0]} ({r[1]:,})" for r in reach) or "-",
+    ]
+    return "| " + " | ".join(cells) + " |"
 
 
 # (file, title, [(panel title, metric key, x axis: "step" or "generated")], rows compared)

@@ -190,6 +190,21 @@ def format_prompt(
     return text
 
 
+def _example(row: dict, index: int, problem_id: int, prompt_text: str, answer: str) -> dict:
+    """The loaded example of file row `index` (its optional fields checked, not trusted)."""
+    data_source, extra = row.get("data_source"), row.get("extra_info")
+    solution = extra.get("solution") if isinstance(extra, dict) else None
+    return {
+        "prompt_text": prompt_text,
+        "ground_truth": answer,
+        "index": index,
+        "problem_id": problem_id,
+        "data_source": data_source if isinstance(data_source, str) else "",
+        "extra_info": extra if isinstance(extra, dict) else None,
+        "solution": solution if isinstance(solution, str) else None,
+    }
+
+
 def load_prompts(
     path: str,
     tokenizer,
@@ -231,18 +246,8 @@ def load_prompts(
                     index,
                 )
         problem_id = problem_ids.setdefault(problem, len(problem_ids))
-        data_source, extra = row.get("data_source"), row.get("extra_info")
-        solution = extra.get("solution") if isinstance(extra, dict) else None
         kept.append(
-            {
-                "prompt_text": format_prompt(problem, tokenizer, template, chat),
-                "ground_truth": answer,
-                "index": index,
-                "problem_id": problem_id,
-                "data_source": data_source if isinstance(data_source, str) else "",
-                "extra_info": extra if isinstance(extra, dict) else None,
-                "solution": solution if isinstance(solution, str) else None,
-            }
+            _example(row, index, problem_id, format_prompt(problem, tokenizer, template, chat), answer)
         )
     if n_malformed:
         logging.warning("%s: skipped %d malformed rows of %d", path, n_malformed, n_rows)

@@ -123,18 +123,19 @@ def _rope(hf: Mapping, source: str) -> tuple[float, tuple | None]:
     return float(theta), tuple((k, float(rope[k])) for k in keys)
 
 
-def config_from_hf(
-    hf: Mapping,
-    *,
-    dtype="bfloat16",
-    param_dtype="float32",
-    remat=False,
-    attention_chunk=0,
-    source="config.json",
-    **numerics,
-) -> ModelConfig:
-    """ModelConfig from a Qwen2/Qwen2.5, Qwen3 (dense) or Llama config.json (transformers 4 or 5
-    layout). Every key it reads is checked first; a ModelFolderError names `source` and the key."""
+# config.json sizes without a default: each a positive int
+_REQUIRED_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+
+
+def _family(hf: Mapping, source: str) -> Family:
+    """The supported family `hf` (a config.json) declares, after checking that nothing it asks
+    for (quantization, another activation, sliding windows, biases) is beyond what we load."""
     bad = lambda problem: ModelFolderError(source, problem)
     archs = hf.get("architectures")
     if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in FAMILIES:
@@ -156,16 +157,24 @@ def config_from_hf(
         raise bad("use_sliding_window / layer_types: sliding-window attention is not supported")
     if hf.get("attention_bias") and not family.qkv_bias:
         raise bad(f"attention_bias true (q/k/v/o biases) is not supported for {archs[0]}")
-    ints = {
-        k: _positive_int(hf, k, source)
-        for k in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-        )
-    }
+    return family
+
+
+def config_from_hf(
+    hf: Mapping,
+    *,
+    dtype="bfloat16",
+    param_dtype="float32",
+    remat=False,
+    attention_chunk=0,
+    source="config.json",
+    **numerics,
+) -> ModelConfig:
+    """ModelConfig from a Qwen2/Qwen2.5, Qwen3 (dense) or Llama config.json (transformers 4 or 5
+    layout). Every key it reads is checked first; a ModelFolderError names `source` and the key."""
+    family = _family(hf, source)
+    bad = lambda problem: ModelFolderError(source, problem)
+    ints = {k: _positive_int(hf, k, source) for k in _REQUIRED_SIZES}
     heads, hidden = ints["num_attention_heads"], ints["hidden_size"]
     kv_heads = _positive_int(hf, "num_key_value_heads", source, default=heads)
     if heads % kv_heads:

@@ -424,19 +424,20 @@ def _step(
         )
     else:  # the first update's params are the sampler's: its rows check the sampler
         agreement = {f"rollout/{k}": float(updates[0][k]) for k in ("logp_diff_mean", "logp_diff_max")}
+    seconds = {"rollout": t_rollout, "train": t_train, "step": time.time() - t0}
     out = {**_data_metrics(batch), **filter_stats, **agreement, **_actor_metrics(updates)}
-    out.update(
-        {
-            "timing/rollout_s": t_rollout,
-            "timing/train_s": t_train,
-            "timing/step_s": time.time() - t0,
-            "throughput/sample_tokens_per_s": float(batch.rows.length_B.sum()) / max(t_rollout, 1e-9),
-            "throughput/train_tokens_per_s": float(host.mask_BxT.sum()) / max(t_train, 1e-9),
-            "reward/errors_total": run.scorer.totals["n_error"],
-            "reward/timeouts_total": run.scorer.totals["n_timeout"],
-        }
-    )
-    return state, out, batch
+    return state, {**out, **_speed_metrics(run, batch, host, seconds)}, batch
+
+
+def _speed_metrics(run: Run, batch: TrainBatch, host: train_step.Rollout, seconds: dict) -> dict:
+    """timing/* (the step's `seconds` by phase), throughput/* and the scorer's running totals."""
+    return {
+        **{f"timing/{phase}_s": t for phase, t in seconds.items()},
+        "throughput/sample_tokens_per_s": float(batch.rows.length_B.sum()) / max(seconds["rollout"], 1e-9),
+        "throughput/train_tokens_per_s": float(host.mask_BxT.sum()) / max(seconds["train"], 1e-9),
+        "reward/errors_total": run.scorer.totals["n_error"],
+        "reward/timeouts_total": run.scorer.totals["n_timeout"],
+    }
 
 
 def _actor_metrics(updates: list[dict]) -> dict:
@@ -477,14 +478,7 @@ def train(c: ml_collections.ConfigDict, workdir: str, checkpoint_dir: str | None
     examples_by_problem = {ex["problem_id"]: ex for ex in run.train_examples}
     try:
         start, state, nonfinite_run = _restore_or_start(run, ckpt, prompts, filt)
-        writer = metrics.MetricsWriter(
-            workdir,
-            resume_step=start or None,
-            writers=c.metrics.writers,
-            wandb_project=c.metrics.wandb_project,
-            aliases=c.metrics.aliases,
-            config=c.to_dict(),
-        )
+        writer = _metrics_writer(c, workdir, start)
         profiled = profile_steps(c.profile.steps)
         preemption = _Preemption()
         summary = {}
@@ -499,27 +493,12 @@ def train(c: ml_collections.ConfigDict, workdir: str, checkpoint_dir: str | None
             nonfinite_run = nonfinite_run + skipped if skipped else 0
             if skipped:
                 logging.warning("step %d: %d update(s) skipped: non-finite loss or gradient", step, skipped)
-            if c.eval.every and run.eval_examples and (step % c.eval.every == 0 or step == c.train.steps):
-                summary.update(evaluate(run, state.params, step))
-            writer.write(step, summary)
-            if c.metrics.completions_every and step % c.metrics.completions_every == 0:
-                writer.write_completions(
-                    step, completion_records(batch, examples_by_problem, c.rollout.group_size, c.metrics)
-                )
-            print(metrics.console_line(step, summary), flush=True)
+            _record(run, writer, state, step, summary, batch, examples_by_problem)
             stop = nonfinite_run >= c.train.max_consecutive_nonfinite
             preempted = preemption.agreed()
             if step % c.checkpoint.every == 0 or step == c.train.steps or preempted or stop:
-                ckpt.save(
-                    step,
-                    state,
-                    {
-                        "seed": np.int64(c.seed),
-                        "data": prompts.state(),
-                        "filter": filt.state(),
-                        "nonfinite_run": np.int64(nonfinite_run),
-                    },
-                )
+                extras = {"seed": np.int64(c.seed), "data": prompts.state(), "filter": filt.state()}
+                ckpt.save(step, state, {**extras, "nonfinite_run": np.int64(nonfinite_run)})
             if stop:
                 raise FloatingPointError(
                     f"step {step}: {nonfinite_run} updates in a row had a non-finite loss or "
@@ -538,6 +517,40 @@ def train(c: ml_collections.ConfigDict, workdir: str, checkpoint_dir: str | None
     finally:
         ckpt.close()
         run.scorer.close()
+
+
+def _metrics_writer(c: ml_collections.ConfigDict, workdir: str, start: int) -> metrics.MetricsWriter:
+    """The run's metrics writer, appending after `start` when resuming."""
+    m = c.metrics
+    return metrics.MetricsWriter(
+        workdir,
+        resume_step=start or None,
+        writers=m.writers,
+        wandb_project=m.wandb_project,
+        aliases=m.aliases,
+        config=c.to_dict(),
+    )
+
+
+def _record(
+    run: Run,
+    writer: metrics.MetricsWriter,
+    state: train_step.TrainState,
+    step: int,
+    summary: dict,
+    batch: TrainBatch,
+    examples_by_problem: dict,
+) -> None:
+    """Evaluate when due (into `summary`), then write the step's metrics, its sampled completions
+    when due, and its console line."""
+    c = run.config
+    if c.eval.every and run.eval_examples and (step % c.eval.every == 0 or step == c.train.steps):
+        summary.update(evaluate(run, state.params, step))
+    writer.write(step, summary)
+    if c.metrics.completions_every and step % c.metrics.completions_every == 0:
+        records = completion_records(batch, examples_by_problem, c.rollout.group_size, c.metrics)
+        writer.write_completions(step, records)
+    print(metrics.console_line(step, summary), flush=True)
 
 
 def _eval_text(m: dict) -> str:
