@@ -16,6 +16,7 @@ decode step (T = 1).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import NamedTuple
 
@@ -199,6 +200,38 @@ def chunked_attention(q_BxTxKxGxH, keys, v_BxKxSxH, attn_BxTxS, dtype, chunk: in
     return out_NxBxCxKxGxH.swapaxes(0, 1).reshape(b, n * chunk, k, g, h)[:, :t]
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def matmul(x_NxI, w_IxO, precision=None):
+    """`x_NxI @ w_IxO` over the last axis of x (N: any leading axes, I and O: the layer's input
+    and output features), differentiated by hand: dx = g W^T and dW = x^T g, the latter one dot
+    over all leading axes flattened into tokens. Autodiff gives the same numbers, but XLA:CPU then
+    materialises a transposed copy of x or g fused with their elementwise producers before each
+    weight-gradient dot, about half of the backward pass's time (figures: experiments/README.md)."""
+    return jax.lax.dot_general(x_NxI, w_IxO, (((x_NxI.ndim - 1,), (0,)), ((), ())), precision)
+
+
+def _matmul_fwd(x_NxI, w_IxO, precision):
+    return matmul(x_NxI, w_IxO, precision), (x_NxI, w_IxO)
+
+
+def _matmul_bwd(precision, residuals, g_NxO):
+    x_NxI, w_IxO = residuals
+    dx_NxI = jax.lax.dot_general(g_NxO, w_IxO, (((g_NxO.ndim - 1,), (1,)), ((), ())), precision)
+    x_MxI, g_MxO = x_NxI.reshape(-1, x_NxI.shape[-1]), g_NxO.reshape(-1, g_NxO.shape[-1])
+    dw_IxO = jax.lax.dot_general(x_MxI, g_MxO, (((0,), (0,)), ((), ())), precision)
+    return dx_NxI.astype(x_NxI.dtype), dw_IxO.astype(w_IxO.dtype)
+
+
+matmul.defvjp(_matmul_fwd, _matmul_bwd)
+
+
+def _dense_dot(x, w, dimension_numbers, precision=None, preferred_element_type=None):
+    """The `dot_general` nn.Dense calls: (((x.ndim - 1,), (0,)), ((), ())), as `matmul`."""
+    if dimension_numbers != (((x.ndim - 1,), (0,)), ((), ())) or preferred_element_type is not None:
+        raise ValueError(f"matmul serves nn.Dense's dot only, got {dimension_numbers}")
+    return matmul(x, w, precision)
+
+
 def _dense(config, features, axes, use_bias, name):
     return nn.Dense(
         features,
@@ -207,6 +240,7 @@ def _dense(config, features, axes, use_bias, name):
         param_dtype=config.weight_dtype,
         kernel_init=nn.with_logical_partitioning(nn.initializers.normal(0.02), axes),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros, axes[-1:]),
+        dot_general=_dense_dot,
         name=name,
     )
 
