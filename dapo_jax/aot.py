@@ -309,7 +309,7 @@ def _prefill(m, c, mesh, shapes: Shapes):
     slots = sampler.decode_phases(_sampling(c, shapes), l)[0][1]
     rep = sharding.replicated(mesh)
     fn = jax.jit(
-        lambda prm, t, k: sampler._constrain_caches(sampler.prefill(m, prm, t, k, slots)),
+        lambda prm, t, k: sampler._constrain_caches(sampler.prefill(m, prm, t, k, slots), m.config),
         in_shardings=(sharding.param_shardings(m, mesh), rep, rep),
     )
     args = (
@@ -356,7 +356,7 @@ def _decode_step_bytes(cfg: model.ModelConfig, mesh, rows: int, slots: int, dtyp
         rep = sharding.replicated(mesh)
         cache_sh = jax.tree.map(
             lambda axes: sharding.logical_to_sharding(jax.sharding.PartitionSpec("layers", *axes), mesh),
-            sampler._CACHE_AXES,
+            sampler.cache_logical_axes(cfg),
             is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x),
         )
         caches = _abstract(jax.eval_shape(lambda m=m: model.init_cache(m.config, rows, slots)), cache_sh)

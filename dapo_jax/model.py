@@ -53,6 +53,7 @@ class ModelConfig:
     attention_chunk: int = 0  # queries per block of multi-token attention (0: all at once)
     scan_layers: bool = False  # one compiled layer body (nn.scan), params stacked on "layers"
     logits_chunk: int = 0  # tokens per block of LM head + log-softmax in the trainer (0: one)
+    transposed_keys: bool = False  # cached keys as [B, K, H, S] (`KVCache`), for XLA:CPU's decode
 
     @property
     def compute_dtype(self):
@@ -72,8 +73,10 @@ class ModelConfig:
 
 
 class KVCache(NamedTuple):
-    """One layer's cache of S slots: keys `k_BxKxSxH` and values `v_BxKxSxH`, slot s of row b
-    holding the key and value of the token that row wrote at s."""
+    """One layer's cache of S slots: keys `k_BxKxSxH` (with `transposed_keys`, `kT_BxKxHxS`) and
+    values `v_BxKxSxH`, slot s of row b holding the key and value of the token that row wrote at
+    s. Transposed keys let a decode step's q.k sum over H along a non-minor axis; XLA:CPU runs it
+    about 4x faster so (figures: experiments/README.md)."""
 
     k: jax.Array
     v: jax.Array
@@ -82,13 +85,18 @@ class KVCache(NamedTuple):
 def init_cache(config: ModelConfig, batch: int, length: int) -> list[KVCache] | KVCache:
     """Zeroed caches of `length` slots in the compute dtype: one per layer, or with `scan_layers`
     one KVCache whose arrays are stacked on a leading layer axis."""
-    shape = (batch, config.num_kv_heads, length, config.head_dim)
-    if config.scan_layers:
-        shape = (config.num_layers, *shape)
-    zeros = lambda: jnp.zeros(shape, config.compute_dtype)
-    if config.scan_layers:
-        return KVCache(zeros(), zeros())
-    return [KVCache(zeros(), zeros()) for _ in range(config.num_layers)]
+    lead = (config.num_layers,) if config.scan_layers else ()
+    v_shape = (*lead, batch, config.num_kv_heads, length, config.head_dim)
+    k_shape = v_shape[:-2] + v_shape[-2:][::-1] if config.transposed_keys else v_shape
+    zeros = lambda: KVCache(
+        jnp.zeros(k_shape, config.compute_dtype), jnp.zeros(v_shape, config.compute_dtype)
+    )
+    return zeros() if config.scan_layers else [zeros() for _ in range(config.num_layers)]
+
+
+def cache_slot_axes(config: ModelConfig) -> KVCache:
+    """The slot axis S of a layer's key and value arrays (behind any leading layer axis)."""
+    return KVCache(k=3 if config.transposed_keys else 2, v=2)
 
 
 def cache_layer_axes(caches) -> int:
@@ -96,13 +104,17 @@ def cache_layer_axes(caches) -> int:
     return 1 if isinstance(caches, KVCache) else 0
 
 
-def write_cache(cache: KVCache, k_BxKxTxH, v_BxKxTxH, index_B) -> KVCache:
+def write_cache(cache: KVCache, k_BxKxTxH, v_BxKxTxH, index_B, transposed_keys: bool) -> KVCache:
     """`cache` with row b's T new keys and values at slots index_B[b] .. index_B[b] + T - 1."""
-    put = jax.vmap(lambda c_KxSxH, x_KxTxH, i: jax.lax.dynamic_update_slice(c_KxSxH, x_KxTxH, (0, i, 0)))
-    return KVCache(
-        put(cache.k, k_BxKxTxH.astype(cache.k.dtype), index_B),
-        put(cache.v, v_BxKxTxH.astype(cache.v.dtype), index_B),
-    )
+
+    def put(c, x, slot_axis):  # slot_axis: of one row's [K, S, H] or [K, H, S]
+        at = lambda i: tuple(i if a == slot_axis else 0 for a in range(3))
+        update = lambda c_row, x_row, i: jax.lax.dynamic_update_slice(c_row, x_row, at(i))
+        return jax.vmap(update)(c, x.astype(c.dtype), index_B)
+
+    if transposed_keys:
+        return KVCache(put(cache.k, k_BxKxTxH.swapaxes(2, 3), 2), put(cache.v, v_BxKxTxH, 1))
+    return KVCache(put(cache.k, k_BxKxTxH, 1), put(cache.v, v_BxKxTxH, 1))
 
 
 def positions_from_mask(mask_BxT: jax.Array) -> jax.Array:
@@ -171,13 +183,18 @@ def grouped_attention(q_BxTxKxGxH, kT_BxKxHxS, v_BxKxSxH, attn_BxTxS, dtype):
     return out_RxMxH.reshape(b, k, g, t, h).transpose(0, 3, 1, 2, 4)
 
 
-def decode_attention(q_BxKxGxH, cache: KVCache, attn_BxS, dtype):
+def decode_attention(q_BxKxGxH, cache: KVCache, attn_BxS, dtype, transposed_keys: bool):
     """`out_BxKxGxH`: one query per row (a decode step) over the S cache slots it may read;
     scores in float32. Written as broadcast multiplies and sums, not dots: as dots they become
     B x K matrix-vector products of G rows (figures: experiments/README.md)."""
     scale = 1.0 / math.sqrt(q_BxKxGxH.shape[-1])
-    q_BxKxGx1xH = q_BxKxGxH[:, :, :, None, :].astype(jnp.float32)
-    scores_BxKxGxS = jnp.sum(q_BxKxGx1xH * cache.k[:, :, None].astype(jnp.float32), -1) * scale
+    q32_BxKxGxH = q_BxKxGxH.astype(jnp.float32)
+    if transposed_keys:
+        kT_BxKx1xHxS = cache.k[:, :, None].astype(jnp.float32)
+        scores_BxKxGxS = jnp.sum(q32_BxKxGxH[..., None] * kT_BxKx1xHxS, -2) * scale
+    else:
+        k_BxKx1xSxH = cache.k[:, :, None].astype(jnp.float32)
+        scores_BxKxGxS = jnp.sum(q32_BxKxGxH[:, :, :, None, :] * k_BxKx1xSxH, -1) * scale
     scores_BxKxGxS = jnp.where(attn_BxS[:, None, None], scores_BxKxGxS, _NEG_INF)
     probs_BxKxGxS = jax.nn.softmax(scores_BxKxGxS, axis=-1).astype(dtype)
     return jnp.sum(probs_BxKxGxS[..., None] * cache.v[:, :, None], -2)
@@ -297,11 +314,12 @@ class Attention(nn.Module):
             kT_BxKxHxT = k_BxKxTxH.swapaxes(2, 3)
             out = chunked_attention(q_BxTxKxGxH, kT_BxKxHxT, v_BxKxTxH, attn_BxTxS, dtype, chunk)
         else:
-            cache = write_cache(cache, k_BxKxTxH, v_BxKxTxH, cache_index_B)
+            cache = write_cache(cache, k_BxKxTxH, v_BxKxTxH, cache_index_B, c.transposed_keys)
             if t == 1:
-                out = decode_attention(q_BxTxKxGxH[:, 0], cache, attn_BxTxS[:, 0], dtype)[:, None]
+                out = decode_attention(q_BxTxKxGxH[:, 0], cache, attn_BxTxS[:, 0], dtype, c.transposed_keys)
+                out = out[:, None]
             else:
-                kT_BxKxHxS = cache.k.swapaxes(2, 3)
+                kT_BxKxHxS = cache.k if c.transposed_keys else cache.k.swapaxes(2, 3)
                 out = chunked_attention(q_BxTxKxGxH, kT_BxKxHxS, cache.v, attn_BxTxS, dtype, chunk)
         out = out.reshape(b, t, n * h)
         out = nn.with_logical_constraint(out, ("batch", "length", "heads"))

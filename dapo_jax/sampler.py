@@ -46,14 +46,20 @@ from jax.sharding import Mesh
 from dapo_jax import sharding
 from dapo_jax.model import (
     KVCache,
+    ModelConfig,
     Transformer,
     cache_layer_axes,
+    cache_slot_axes,
     causal_attention_mask,
     init_cache,
     positions_from_mask,
 )
 
-_CACHE_AXES = KVCache(k=("batch", "kv_heads", "length", None), v=("batch", "kv_heads", "length", None))
+
+def cache_logical_axes(config: ModelConfig) -> KVCache:
+    """The logical axes of a layer's key and value arrays (`model.KVCache`'s two layouts of keys)."""
+    v = ("batch", "kv_heads", "length", None)
+    return KVCache(k=("batch", "kv_heads", None, "length") if config.transposed_keys else v, v=v)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,18 +209,22 @@ def cache_slots(caches) -> int:
     return _cache_list(caches)[0].v.shape[2 + cache_layer_axes(caches)]
 
 
-def _grow(caches, slots: int):
+def _grow(caches, slots: int, config: ModelConfig):
     """Caches extended with empty slots up to `slots`."""
-    axis = 2 + cache_layer_axes(caches)
-    pad = lambda x: jnp.pad(x, [(0, slots - x.shape[axis]) if a == axis else (0, 0) for a in range(x.ndim)])
-    return jax.tree.map(pad, caches)
+    lead = cache_layer_axes(caches)
+
+    def pad(x, axis):
+        return jnp.pad(x, [(0, slots - x.shape[axis]) if a == axis else (0, 0) for a in range(x.ndim)])
+
+    axes = KVCache(*(lead + a for a in cache_slot_axes(config)))
+    return _from_list([KVCache(*map(pad, c, axes)) for c in _cache_list(caches)], caches)
 
 
-def _constrain_caches(caches):
-    """Caches laid out as `_CACHE_AXES` (behind the layer axis of a stacked cache)."""
+def _constrain_caches(caches, config: ModelConfig):
+    """Caches laid out as `cache_logical_axes` (behind the layer axis of a stacked cache)."""
     lead = ("layers",) * cache_layer_axes(caches)
     out = [
-        KVCache(*(nn.with_logical_constraint(x, lead + axes) for x, axes in zip(c, _CACHE_AXES)))
+        KVCache(*(nn.with_logical_constraint(x, lead + a) for x, a in zip(c, cache_logical_axes(config))))
         for c in _cache_list(caches)
     ]
     return _from_list(out, caches)
@@ -264,7 +274,7 @@ def _fixed_batch_rollout(model, config: SamplingConfig, n: int, params, prompt_P
     repeat = lambda x: jnp.repeat(x, n, axis=0)
     phases = decode_phases(config, l)
     caches = prefill(model, params, prompt_PxL[:, :-1], mask_PxL[:, :-1], phases[0][1])
-    caches = _constrain_caches(_repeat_caches(caches, n))
+    caches = _constrain_caches(_repeat_caches(caches, n), model.config)
     readable_BxS = repeat(jnp.pad(mask_PxL, ((0, 0), (0, phases[-1][1] - l)), constant_values=True))
     first_pos_B = repeat(mask_PxL.sum(-1, dtype=jnp.int32) - 1)
     eos_E = jnp.asarray(config.eos_ids, jnp.int32).reshape(-1)
@@ -284,7 +294,7 @@ def _fixed_batch_rollout(model, config: SamplingConfig, n: int, params, prompt_P
         return _BatchState(
             step=st.step + 1,
             feed_B=token_B,
-            caches=_constrain_caches(caches),
+            caches=_constrain_caches(caches, model.config),
             tokens_BxN=jax.lax.dynamic_update_index_in_dim(st.tokens_BxN, token_B, st.step, 1),
             logp_BxN=jax.lax.dynamic_update_index_in_dim(st.logp_BxN, logp_B, st.step, 1),
             ended_B=st.ended_B | jnp.isin(token_B, eos_E),
@@ -302,7 +312,8 @@ def _fixed_batch_rollout(model, config: SamplingConfig, n: int, params, prompt_P
     )
     for j, (end, slots) in enumerate(phases):
         if j:
-            out = out._replace(caches=_constrain_caches(_grow(out.caches, slots)))
+            grown = _grow(out.caches, slots, model.config)
+            out = out._replace(caches=_constrain_caches(grown, model.config))
         out = jax.lax.while_loop(lambda st, end=end: (st.step < end) & ~jnp.all(st.ended_B), body, out)
     return _outputs(out.tokens_BxN, out.logp_BxN, out.ended_B, out.length_B)
 
@@ -319,19 +330,21 @@ class _SlotState(NamedTuple):
     length_B: jax.Array
 
 
-def _copy_prefill(caches, prefill_caches, starting_S, p_S):
+def _copy_prefill(caches, prefill_caches, starting_S, p_S, config: ModelConfig):
     """`caches` whose starting slots hold prompt p_S's prefill in their first L-1 cache slots."""
     lead = cache_layer_axes(caches)
 
-    def put(x, prefix):
-        head = (slice(None),) * (2 + lead) + (slice(0, prefix.shape[2 + lead]),)
+    def put(x, prefix, axis):
+        head = (slice(None),) * (lead + axis) + (slice(0, prefix.shape[lead + axis]),)
         start = starting_S.reshape((1,) * lead + (-1, 1, 1, 1))
         return x.at[head].set(jnp.where(start, jnp.take(prefix, p_S, axis=lead), x[head]))
 
-    return jax.tree.map(put, caches, prefill_caches)
+    axes = cache_slot_axes(config)
+    pairs = zip(_cache_list(caches), _cache_list(prefill_caches))
+    return _from_list([KVCache(*map(put, c, pc, axes)) for c, pc in pairs], caches)
 
 
-def _start_rows(st: _SlotState, free_S, prefill_caches, last_P, n: int) -> _SlotState:
+def _start_rows(st: _SlotState, free_S, prefill_caches, last_P, n: int, config: ModelConfig) -> _SlotState:
     """Free slots given the next waiting rows in order (none left: no row, B); a starting row's
     cache gets its prompt's prefill and it feeds the prompt's last token at t = 0."""
     b = st.tokens_BxN.shape[0]
@@ -340,7 +353,7 @@ def _start_rows(st: _SlotState, free_S, prefill_caches, last_P, n: int) -> _Slot
     p_S = jnp.minimum(row_S, b - 1) // n
     caches = st.caches
     if prefill_caches is not None:  # L > 1: prompt slots to copy, only when a row starts
-        copy = lambda c: _copy_prefill(c, prefill_caches, starting_S, p_S)
+        copy = lambda c: _copy_prefill(c, prefill_caches, starting_S, p_S, config)
         caches = jax.lax.cond(starting_S.any(), copy, lambda c: c, caches)
     return st._replace(
         row_S=row_S,
@@ -358,9 +371,8 @@ def _slot_rollout(model, config: SamplingConfig, n: int, params, prompt_PxL, mas
     s, c = min(config.decode_slots, b), l - 1 + n_new
     prefill_caches = None
     if l > 1:
-        prefill_caches = _constrain_caches(
-            prefill(model, params, prompt_PxL[:, :-1], mask_PxL[:, :-1], l - 1)
-        )
+        prefill_caches = prefill(model, params, prompt_PxL[:, :-1], mask_PxL[:, :-1], l - 1)
+        prefill_caches = _constrain_caches(prefill_caches, model.config)
     readable_PxC = jnp.pad(mask_PxL, ((0, 0), (0, c - l)), constant_values=True)
     first_pos_P = mask_PxL.sum(-1, dtype=jnp.int32) - 1
     eos_E = jnp.asarray(config.eos_ids, jnp.int32).reshape(-1)
@@ -379,27 +391,27 @@ def _slot_rollout(model, config: SamplingConfig, n: int, params, prompt_PxL, mas
         st = st._replace(
             step_S=st.step_S + 1,
             feed_S=token_S,
-            caches=_constrain_caches(caches),
+            caches=_constrain_caches(caches, model.config),
             tokens_BxN=st.tokens_BxN.at[out_S, st.step_S].set(token_S, mode="drop"),
             logp_BxN=st.logp_BxN.at[out_S, st.step_S].set(logp_S, mode="drop"),
             ended_B=st.ended_B.at[fin_S].set(ended_S, mode="drop"),
             length_B=st.length_B.at[fin_S].set(st.step_S + 1, mode="drop"),
         )
-        return _start_rows(st, ~active_S | done_S, prefill_caches, prompt_PxL[:, -1], n)
+        return _start_rows(st, ~active_S | done_S, prefill_caches, prompt_PxL[:, -1], n, model.config)
 
     idle_S = jnp.full((s,), b, jnp.int32)
     st = _SlotState(
         row_S=idle_S,
         step_S=jnp.zeros((s,), jnp.int32),
         feed_S=jnp.zeros((s,), jnp.int32),
-        caches=_constrain_caches(init_cache(model.config, s, c)),
+        caches=_constrain_caches(init_cache(model.config, s, c), model.config),
         next_row=jnp.zeros((), jnp.int32),
         tokens_BxN=jnp.full((b, n_new), config.pad_id, jnp.int32),
         logp_BxN=jnp.zeros((b, n_new), jnp.float32),
         ended_B=jnp.zeros((b,), bool),
         length_B=jnp.zeros((b,), jnp.int32),
     )
-    st = _start_rows(st, jnp.ones((s,), bool), prefill_caches, prompt_PxL[:, -1], n)
+    st = _start_rows(st, jnp.ones((s,), bool), prefill_caches, prompt_PxL[:, -1], n, model.config)
     st = jax.lax.while_loop(lambda st: jnp.any(st.row_S < b), body, st)
     return _outputs(st.tokens_BxN, st.logp_BxN, st.ended_B, st.length_B)
 

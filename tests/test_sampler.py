@@ -15,8 +15,9 @@ from dapo_jax import hf_io, model, sampler, sharding
 VOCAB = 96
 
 
-def _load(model_dir, mesh):
-    m = model.Transformer(hf_io.config_from_hf(hf_io.read_hf_config(model_dir), dtype="float32"))
+def _load(model_dir, mesh, **numerics):
+    hf = hf_io.read_hf_config(model_dir)
+    m = model.Transformer(hf_io.config_from_hf(hf, dtype="float32", **numerics))
     return m, hf_io.load_params(model_dir, m, mesh)
 
 
@@ -45,9 +46,11 @@ def _config(**kw):
     )
 
 
-@pytest.mark.parametrize("fixture", ["qwen2_dir", "llama_dir"])
-def test_cached_decode_equals_teacher_forced_forward(fixture, request, single):
-    m, params = _load(request.getfixturevalue(fixture), single)
+@pytest.mark.parametrize(
+    "fixture, transposed_keys", [("qwen2_dir", False), ("qwen2_dir", True), ("llama_dir", False)]
+)
+def test_cached_decode_equals_teacher_forced_forward(fixture, transposed_keys, request, single):
+    m, params = _load(request.getfixturevalue(fixture), single, transposed_keys=transposed_keys)
     prompt, mask = _prompts([8, 5, 2], 8)
     follow = np.random.default_rng(1).integers(1, VOCAB, size=(3, 6)).astype(np.int32)
     full_tokens = np.concatenate([prompt, follow], 1)
@@ -286,3 +289,28 @@ def test_decode_slots_are_checked(qwen2):
     with pytest.raises(ValueError, match="decode_slots = 6 do not divide over the 4 devices"):
         sampler.Sampler(m, _config(decode_slots=6), mesh)
     sampler.Sampler(m, _config(decode_slots=8), mesh)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_transposed_keys_leave_rollouts_unchanged(qwen2_dir, single, scan_layers):
+    """Keys cached as [B, K, H, S]: the plain layout's rollouts, through grown decode phases
+    (fixed batch) and prefills copied into slots (continuous batching), per-layer or stacked."""
+    prompt, mask = _prompts([8, 3, 6, 5], 8, seed=9)
+    cfgs = [
+        _config(eos_ids=tuple(range(3, 15)), decode_chunks=3),
+        _config(eos_ids=tuple(range(3, 15)), decode_slots=3),
+    ]
+    out = {}
+    for transposed in (False, True):
+        m, params = _load(qwen2_dir, single, transposed_keys=transposed, scan_layers=scan_layers)
+        k = jax.tree.leaves(model.init_cache(m.config, 1, 5))[0]  # 5 slots, head_dim 16
+        assert k.shape[-2:] == ((m.config.head_dim, 5) if transposed else (5, m.config.head_dim))
+        out[transposed] = [
+            jax.device_get(sampler.Sampler(m, c, single).generate(params, prompt, mask, 2, jax.random.key(6)))
+            for c in cfgs
+        ]
+    for plain, transposed in zip(out[False], out[True]):
+        assert (~plain["truncated"]).any() and plain["truncated"].any()
+        for k in ("tokens", "length", "truncated"):
+            np.testing.assert_array_equal(transposed[k], plain[k])
+        np.testing.assert_allclose(transposed["logp"], plain["logp"], atol=1e-5)
