@@ -8,9 +8,9 @@ model knows nothing of RL.
 
 Attention takes an explicit boolean mask `attn_BxTxS` (query t may read key slot s). Without a cache
 the keys are the T input tokens (S = T): the trainer's teacher-forced pass. With a cache (`KVCache`,
-one per layer) row b's T new keys and values are written at its slot `cache_index_B[b]` and the
-queries read all S cache slots: `grouped_attention` for a prefill (T > 1), `decode_attention` for a
-decode step (T = 1).
+one per layer) row b's T new keys and values are written at its slot `cache_index_B[b]` (a scalar:
+every row's) and the queries read all S cache slots: `grouped_attention` for a prefill (T > 1),
+`decode_attention` for a decode step (T = 1).
 """
 
 from __future__ import annotations
@@ -105,11 +105,16 @@ def cache_layer_axes(caches) -> int:
 
 
 def write_cache(cache: KVCache, k_BxKxTxH, v_BxKxTxH, index_B, transposed_keys: bool) -> KVCache:
-    """`cache` with row b's T new keys and values at slots index_B[b] .. index_B[b] + T - 1."""
+    """`cache` with row b's T new keys and values at slots index_B[b] .. index_B[b] + T - 1. A
+    scalar `index_B` is every row's slot (the fixed batch's decode): one in-place slice update,
+    where per-row slots are a scatter, slow on XLA:CPU for transposed keys' strided slots."""
+    shared = jnp.ndim(index_B) == 0
 
     def put(c, x, slot_axis):  # slot_axis: of one row's [K, S, H] or [K, H, S]
-        at = lambda i: tuple(i if a == slot_axis else 0 for a in range(3))
-        update = lambda c_row, x_row, i: jax.lax.dynamic_update_slice(c_row, x_row, at(i))
+        at = lambda i, lead: (0,) * lead + tuple(i if a == slot_axis else 0 for a in range(3))
+        if shared:
+            return jax.lax.dynamic_update_slice(c, x.astype(c.dtype), at(index_B, 1))
+        update = lambda c_row, x_row, i: jax.lax.dynamic_update_slice(c_row, x_row, at(i, 0))
         return jax.vmap(update)(c, x.astype(c.dtype), index_B)
 
     if transposed_keys:
@@ -153,10 +158,15 @@ class Rope(NamedTuple):
     sin: jax.Array
 
 
-def rope_tables(positions_BxT: jax.Array, config: ModelConfig) -> Rope:
-    """The angles position * theta^(-2i/d) of every token, as cos and sin."""
-    angles_BxTxH2 = positions_BxT[..., None].astype(jnp.float32) * rope_inverse_frequencies(config)
-    return Rope(jnp.cos(angles_BxTxH2)[:, :, None, :], jnp.sin(angles_BxTxH2)[:, :, None, :])
+def rope_tables(positions_BxT: jax.Array, config: ModelConfig, bound: int) -> Rope:
+    """cos and sin of the angles position * theta^(-2i/d) of every token, for positions in
+    [0, bound): looked up in the table of all `bound` positions, which XLA computes once (or
+    folds to a constant). Computed per token instead, XLA:CPU fuses the cos and sin into each use
+    and evaluates them again for every element of q and k, in every layer. A position outside
+    [0, bound) reads NaN."""
+    angles_SxH2 = jnp.arange(bound, dtype=jnp.float32)[:, None] * rope_inverse_frequencies(config)
+    take = lambda table_SxH2: jnp.take(table_SxH2, positions_BxT, axis=0, mode="fill", fill_value=jnp.nan)
+    return Rope(take(jnp.cos(angles_SxH2))[:, :, None, :], take(jnp.sin(angles_SxH2))[:, :, None, :])
 
 
 def apply_rope(x_BxTxNxH: jax.Array, rope: Rope) -> jax.Array:
@@ -405,13 +415,19 @@ def lm_head(config: ModelConfig, params, x_BxTxD) -> jax.Array:
     return logits.astype(jnp.float32)
 
 
+def _max_positions(tokens_BxT, caches) -> int:
+    """The bound on the positions of a call: T tokens without a cache, else the S cache slots."""
+    if caches is None:
+        return tokens_BxT.shape[1]
+    return (caches if isinstance(caches, KVCache) else caches[0]).v.shape[-2]
+
+
 class Transformer(nn.Module):
     """Causal LM. `__call__(tokens_BxT, positions_BxT, attn_BxTxS, caches=None, cache_index_B=None)`
     returns `(logits_BxTxV in float32, new caches or None)`; with caches, row b writes its T
     tokens at slots `cache_index_B[b]` on. With `hidden_only` the final normalised hidden states
-    `x_BxTxD` instead of the logits (`lm_head` maps them). With caches the rotary tables are
-    computed once, not in every layer (an optimisation barrier keeps XLA from fusing them into
-    each use: a decode loop would recompute the cos and sin in every layer at every step)."""
+    `x_BxTxD` instead of the logits (`lm_head` maps them). Positions lie below T without a
+    cache, below the cache's S slots with one (a token's position never exceeds its slot)."""
 
     config: ModelConfig
 
@@ -435,9 +451,7 @@ class Transformer(nn.Module):
             name="embed_tokens",
         )
         x_BxTxD = nn.with_logical_constraint(embed(tokens_BxT), ("batch", "length", "embed"))
-        rope = rope_tables(positions_BxT, c)
-        if caches is not None:  # a prefill or decode step: the tables once, not fused into each layer
-            rope = jax.lax.optimization_barrier(rope)
+        rope = rope_tables(positions_BxT, c, _max_positions(tokens_BxT, caches))
         x_BxTxD, new_caches = _decoder_stack(c, x_BxTxD, rope, attn_BxTxS, caches, cache_index_B)
         x_BxTxD = RMSNorm(c.rms_norm_eps, c.compute_dtype, c.weight_dtype, name="norm")(x_BxTxD)
         if hidden_only:  # (init runs the head, so its parameters exist)

@@ -108,14 +108,13 @@ def prefill(model: Transformer, params, tokens_PxT, mask_PxT, cache_len: int):
         return caches
     attn_PxTxS = jnp.pad(causal_attention_mask(mask_PxT), ((0, 0), (0, 0), (0, cache_len - t)))
     positions_PxT = positions_from_mask(mask_PxT)
-    zeros_P = jnp.zeros((p,), jnp.int32)
-    _, caches = model.apply({"params": params}, tokens_PxT, positions_PxT, attn_PxTxS, caches, zeros_P)
+    _, caches = model.apply({"params": params}, tokens_PxT, positions_PxT, attn_PxTxS, caches, jnp.int32(0))
     return caches
 
 
 def decode_step(model: Transformer, params, tokens_B, positions_B, attn_BxS, caches, slot_B):
-    """Feed row b's token at position `positions_B[b]` into cache slot `slot_B[b]`, reading the
-    slots `attn_BxS[b]` allows; returns `(logits_BxV, caches)`."""
+    """Feed row b's token at position `positions_B[b]` into cache slot `slot_B[b]` (a scalar: every
+    row's), reading the slots `attn_BxS[b]` allows; returns `(logits_BxV, caches)`."""
     logits_Bx1xV, caches = model.apply(
         {"params": params}, tokens_B[:, None], positions_B[:, None], attn_BxS[:, None, :], caches, slot_B
     )
@@ -283,9 +282,8 @@ def _fixed_batch_rollout(model, config: SamplingConfig, n: int, params, prompt_P
         slot = l - 1 + st.step
         w = cache_slots(st.caches)  # this phase's slots
         attn_BxW = readable_BxS[:, :w] & (jnp.arange(w) <= slot)
-        slot_B = jnp.full((b,), slot)
         logits_BxV, caches = decode_step(
-            model, params, st.feed_B, first_pos_B + st.step, attn_BxW, st.caches, slot_B
+            model, params, st.feed_B, first_pos_B + st.step, attn_BxW, st.caches, slot
         )
         u_B = jax.lax.dynamic_index_in_dim(u_BxN, st.step, 1, keepdims=False)
         token_B, logp_B = sample_token(logits_BxV, u_B, config)

@@ -46,6 +46,27 @@ def _config(**kw):
     )
 
 
+@pytest.mark.parametrize("transposed_keys", [False, True])
+def test_write_cache_at_a_shared_slot_equals_per_row_slots(transposed_keys):
+    """A scalar slot (the fixed batch's one in-place update) writes what per-row slots that are all
+    equal write (the scatter continuous batching uses), both equal to numpy's assignment."""
+    b, k, s, t, h = 3, 2, 9, 2, 4
+    rng = np.random.default_rng(0)
+    cache_k = rng.normal(size=(b, k, h, s) if transposed_keys else (b, k, s, h)).astype(np.float32)
+    cache = model.KVCache(cache_k, rng.normal(size=(b, k, s, h)).astype(np.float32))
+    new_k, new_v = rng.normal(size=(2, b, k, t, h)).astype(np.float32)
+    want_k, want_v = cache.k.copy(), cache.v.copy()
+    if transposed_keys:
+        want_k[:, :, :, 5 : 5 + t] = new_k.swapaxes(2, 3)
+    else:
+        want_k[:, :, 5 : 5 + t] = new_k
+    want_v[:, :, 5 : 5 + t] = new_v
+    for index in (np.int32(5), np.full((b,), 5, np.int32)):
+        got = model.write_cache(cache, new_k, new_v, index, transposed_keys)
+        np.testing.assert_array_equal(got.k, want_k)
+        np.testing.assert_array_equal(got.v, want_v)
+
+
 @pytest.mark.parametrize(
     "fixture, transposed_keys", [("qwen2_dir", False), ("qwen2_dir", True), ("llama_dir", False)]
 )
