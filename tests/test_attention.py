@@ -94,3 +94,17 @@ def test_bfloat16_logits_are_within_tolerance_of_float32(params):
         assert scale > 1.0
         diff = np.abs(got - want)
         assert 0 < diff.max() <= 0.025 * scale and diff.mean() <= 0.005 * scale, (diff.max(), diff.mean())
+
+
+def test_rope_tables_are_the_angles_cos_and_sin_and_nan_past_the_bound():
+    """The looked-up tables equal cos and sin of position * theta^(-2i/d) in float64 numpy; a
+    position at or past the bound reads NaN, not a clamped row."""
+    positions = np.array([[0, 1, 5, 6], [3, 2, 0, 7]], np.int32)
+    rope = model.rope_tables(positions, CONFIG, bound=7)
+    inv_freq = 1.0 / CONFIG.rope_theta ** (np.arange(0, CONFIG.head_dim, 2) / CONFIG.head_dim)
+    angles = positions[..., None, None] * inv_freq
+    inside = positions < 7
+    np.testing.assert_allclose(np.asarray(rope.cos)[inside], np.cos(angles)[inside], atol=1e-6)
+    np.testing.assert_allclose(np.asarray(rope.sin)[inside], np.sin(angles)[inside], atol=1e-6)
+    assert rope.cos.shape == (2, 4, 1, CONFIG.head_dim // 2)
+    assert np.isnan(np.asarray(rope.cos)[~inside]).all() and np.isnan(np.asarray(rope.sin)[~inside]).all()
