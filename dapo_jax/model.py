@@ -104,6 +104,11 @@ def cache_layer_axes(caches) -> int:
     return 1 if isinstance(caches, KVCache) else 0
 
 
+def cache_slots(caches) -> int:
+    """S, the slots each cache holds (per-layer caches or one stacked KVCache)."""
+    return (caches if isinstance(caches, KVCache) else caches[0]).v.shape[-2]
+
+
 def write_cache(cache: KVCache, k_BxKxTxH, v_BxKxTxH, index_B, transposed_keys: bool) -> KVCache:
     """`cache` with row b's T new keys and values at slots index_B[b] .. index_B[b] + T - 1. A
     scalar `index_B` is every row's slot (the fixed batch's decode): one in-place slice update,
@@ -415,13 +420,6 @@ def lm_head(config: ModelConfig, params, x_BxTxD) -> jax.Array:
     return logits.astype(jnp.float32)
 
 
-def _max_positions(tokens_BxT, caches) -> int:
-    """The bound on the positions of a call: T tokens without a cache, else the S cache slots."""
-    if caches is None:
-        return tokens_BxT.shape[1]
-    return (caches if isinstance(caches, KVCache) else caches[0]).v.shape[-2]
-
-
 class Transformer(nn.Module):
     """Causal LM. `__call__(tokens_BxT, positions_BxT, attn_BxTxS, caches=None, cache_index_B=None)`
     returns `(logits_BxTxV in float32, new caches or None)`; with caches, row b writes its T
@@ -451,7 +449,8 @@ class Transformer(nn.Module):
             name="embed_tokens",
         )
         x_BxTxD = nn.with_logical_constraint(embed(tokens_BxT), ("batch", "length", "embed"))
-        rope = rope_tables(positions_BxT, c, _max_positions(tokens_BxT, caches))
+        bound = tokens_BxT.shape[1] if caches is None else cache_slots(caches)  # on the positions
+        rope = rope_tables(positions_BxT, c, bound)
         x_BxTxD, new_caches = _decoder_stack(c, x_BxTxD, rope, attn_BxTxS, caches, cache_index_B)
         x_BxTxD = RMSNorm(c.rms_norm_eps, c.compute_dtype, c.weight_dtype, name="norm")(x_BxTxD)
         if hidden_only:  # (init runs the head, so its parameters exist)

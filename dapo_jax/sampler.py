@@ -50,6 +50,7 @@ from dapo_jax.model import (
     Transformer,
     cache_layer_axes,
     cache_slot_axes,
+    cache_slots,
     causal_attention_mask,
     init_cache,
     positions_from_mask,
@@ -201,11 +202,6 @@ def _cache_list(caches) -> list[KVCache]:
 
 def _from_list(caches: list[KVCache], like):
     return caches[0] if isinstance(like, KVCache) else caches
-
-
-def cache_slots(caches) -> int:
-    """S, the slots each cache holds."""
-    return _cache_list(caches)[0].v.shape[2 + cache_layer_axes(caches)]
 
 
 def _grow(caches, slots: int, config: ModelConfig):
