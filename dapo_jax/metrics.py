@@ -20,7 +20,6 @@ import math
 import uuid
 
 import jax
-import tensorboardX
 
 from dapo_jax import paths
 
@@ -98,6 +97,15 @@ def console_line(step: int, metrics: dict) -> str:
     return "  ".join(parts)
 
 
+def _tensorboard(root, purge: int | None):
+    """tensorboardX's writer under `root/tensorboard`, its events past `purge` dropped; imported
+    only when asked for (`paths.tensorboard_writers` says why)."""
+    import tensorboardX  # noqa: PLC0415
+
+    paths.tensorboard_writers()
+    return tensorboardX.SummaryWriter(str(root / "tensorboard"), purge_step=purge)
+
+
 class MetricsWriter:
     """JSONL + TensorBoard (+ wandb) writer of scalar dicts, one record per step."""
 
@@ -120,12 +128,7 @@ class MetricsWriter:
         self._jsonl = _JsonlLog(root / JSONL, resume_step)
         self._completions = _JsonlLog(root / COMPLETIONS, resume_step)
         purge = None if resume_step is None else resume_step + 1
-        paths.tensorboard_writers()
-        self._tb = (
-            tensorboardX.SummaryWriter(str(root / "tensorboard"), purge_step=purge)
-            if "tensorboard" in names
-            else None
-        )
+        self._tb = _tensorboard(root, purge) if "tensorboard" in names else None
         self._aliases = aliases
         self._wandb = _start_wandb(workdir, wandb_project, config) if "wandb" in names else None
 

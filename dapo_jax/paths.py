@@ -14,7 +14,6 @@ import os
 import shutil
 
 from etils import epath
-from tensorboardX import record_writer
 
 URL_SCHEMES = ("gs", "s3", "az", "hf")  # the ones epath opens; others would become local paths
 
@@ -86,6 +85,10 @@ class _EpathWriterFactory:
 
 def tensorboard_writers() -> None:
     """Route tensorboardX's event files on URLs through epath (its own `gs://` writer needs
-    google-cloud-storage and ignores epath); local logdirs keep tensorboardX's own files."""
+    google-cloud-storage and ignores epath); local logdirs keep tensorboardX's own files.
+    tensorboardX is imported here, not at the top: it imports torch when torch is installed
+    (~175 MiB of resident memory that a run writing no TensorBoard events does not need)."""
+    from tensorboardX import record_writer  # noqa: PLC0415
+
     for scheme in URL_SCHEMES:
         record_writer.register_writer_factory(scheme, _EpathWriterFactory())

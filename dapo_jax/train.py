@@ -54,7 +54,6 @@ from dapo_jax import (
     objective,
     overrides,
     paths,
-    plot,
     rollout,
     sharding,
     train_step,
@@ -654,6 +653,8 @@ def _report(workdir: str, summary: dict) -> None:
         return
     if not summary:
         print(f"{workdir} has already finished its {_CONFIG.value.train.steps} steps")
+    from dapo_jax import plot  # noqa: PLC0415 - matplotlib, for the report only
+
     plot.plot_runs([workdir], str(root / "plots"))
     evals = [r for r in metrics.read_jsonl(path) if any(k.startswith("eval/") for k in r)]
     if evals:

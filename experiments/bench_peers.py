@@ -30,6 +30,10 @@ The reference workload, the same for all three (experiments/peers/workload.py):
 How each implementation is run (each in its own process and virtualenv, threads = the cores):
 - ours (peers/run_ours.py): `dapo_jax.train.train` on `configs/dapo.py:tiny` with the overrides
   above; times from the trainer's timing/rollout_s, timing/train_s, timing/step_s metrics.
+  Its update accumulates the gradient of the 64 rows over 4 micro-batches of 16 (the tiny
+  config's `train.micro_batch_size`: faster on this CPU, and less memory) before the one AdamW
+  step; TRL's batch of 64 goes through in one pass (per_device_train_batch_size 64,
+  gradient_accumulation_steps 1).
 - TRL (peers/run_trl.py): `GRPOTrainer` with `GRPOConfig(loss_type="dapo", epsilon=0.2,
   epsilon_high=0.28, beta=0.0, num_generations=8, per_device_train_batch_size=64,
   gradient_accumulation_steps=1, num_iterations=1, max_completion_length=N, temperature=1,

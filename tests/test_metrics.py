@@ -3,6 +3,8 @@
 import glob
 import os
 import struct
+import subprocess
+import sys
 
 from tensorboardX.proto import event_pb2
 
@@ -38,6 +40,20 @@ def test_jsonl_and_tensorboard_and_resume(tmp_path):
     resumed.close()
     records = metrics.read_jsonl(str(tmp_path / "metrics.jsonl"))
     assert [(r["step"], r["data/acc_mean"]) for r in records] == [(1, 0.1), (2, 0.5)]
+
+
+def test_a_run_without_tensorboard_or_plots_does_not_import_them(tmp_path):
+    """tensorboardX imports torch when it is installed (~175 MiB resident), matplotlib and
+    datasets take seconds: the trainer loads them only for the writer, the report and parquet
+    files that need them."""
+    heavy = "sorted({'torch', 'tensorboardX', 'matplotlib', 'datasets'} & set(sys.modules))"
+    code = (
+        "import sys; from dapo_jax import metrics, train; "
+        f"metrics.MetricsWriter({str(tmp_path / 'a')!r}, writers='jsonl').close(); print({heavy}); "
+        f"metrics.MetricsWriter({str(tmp_path / 'b')!r}).close(); print('tensorboardX' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["[]", "True"]  # the default writers include TensorBoard's
 
 
 def test_console_line_shows_headline_figures():

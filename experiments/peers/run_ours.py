@@ -54,8 +54,7 @@ def config(spec: dict, data_file: str):
         steps=spec["warmup"] + spec["steps"],
         train_batch_prompts=n,
         mini_batch_prompts=n,
-        micro_batch_size=n * g,
-    )
+    )  # the tiny config's micro-batches of 16: gradient accumulation, still one update
     c.checkpoint.update(every=10_000, asynchronous=False)
     c.eval.update(every=0, at_start=False)
     c.metrics.update(writers="jsonl", completions_every=0)
