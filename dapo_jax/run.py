@@ -35,6 +35,7 @@ from dapo_jax.sampler import Sampler, SamplingConfig, rollout_params
 
 # The range of every numeric knob, as an interval: "[a, b)" includes a and excludes b.
 _RANGES = {
+    "cpu_devices": "[0, inf)",
     "train.steps": "[1, inf)",
     "train.train_batch_prompts": "[1, inf)",
     "train.mini_batch_prompts": "[1, inf)",

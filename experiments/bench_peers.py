@@ -29,7 +29,8 @@ The reference workload, the same for all three (experiments/peers/workload.py):
 
 How each implementation is run (each in its own process and virtualenv, threads = the cores):
 - ours (peers/run_ours.py): `dapo_jax.train.train` on `configs/dapo.py:tiny` with the overrides
-  above; times from the trainer's timing/rollout_s, timing/train_s, timing/step_s metrics.
+  above, log pi_old detached (one update per rollout batch, as the peers do); times from the
+  trainer's timing/rollout_s, timing/train_s, timing/step_s metrics.
   Its update accumulates the gradient of the 64 rows over 4 micro-batches of 16 (the tiny
   config's `train.micro_batch_size`: faster on this CPU, and less memory) before the one AdamW
   step; TRL's batch of 64 goes through in one pass (per_device_train_batch_size 64,

@@ -45,7 +45,10 @@ def config(spec: dict, data_file: str):
         num_workers=1,
     )
     c.filter.update(enable=False, gen_batch_prompts=n)
-    c.loss.update(eps_low=0.2, eps_high=0.28, clip_ratio_c=0.0, agg_mode="token-mean", beta=0.0)
+    # One update per rollout batch: log pi_old is the detached current log-prob, as in TRL and Tunix.
+    c.loss.update(
+        eps_low=0.2, eps_high=0.28, clip_ratio_c=0.0, agg_mode="token-mean", beta=0.0, old_logp="detached"
+    )
     c.optim.update(
         lr=spec["lr"], warmup_rollout_steps=0, schedule="constant", weight_decay=spec["weight_decay"]
     )
