@@ -12,6 +12,7 @@ median of `--repeats`. Both samplers return the same rows (checked here).
 
     PYTHONPATH=. python experiments/bench_rollout.py                    # long tail, limit 256
     PYTHONPATH=. python experiments/bench_rollout.py --new 64 --end_ids 0  # uniform: every row 64
+    PYTHONPATH=. python experiments/bench_rollout.py --devices 1 2      # also on 2 CPU devices
 """
 
 import argparse
@@ -31,9 +32,9 @@ import workload  # noqa: E402
 CONFIG = hf_io.config_from_hf(workload.HF_CONFIG, dtype="float32")
 
 
-def random_model(head_scale: float, seed: int = 0):
+def random_model(head_scale: float, devices: int, seed: int = 0):
     m = model.Transformer(CONFIG)
-    mesh = sharding.make_mesh({"data": -1}, devices=jax.devices()[:1])
+    mesh = sharding.make_mesh({"data": -1}, devices=jax.devices()[:devices])
     params = sharding.init_params(m, mesh, jax.random.key(seed))
     params["lm_head"]["kernel"] = params["lm_head"]["kernel"] * head_scale
     return m, mesh, params
@@ -69,8 +70,16 @@ def main():
     ap.add_argument("--end_ids", type=int, default=2, help="ids 1..k end a row (0: none)")
     ap.add_argument("--head_scale", type=float, default=8.0)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument(
+        "--devices",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="meshes to run on: the data axis over this many XLA CPU devices (the host split as the "
+        "tiny config's cpu_devices does); the first mesh's fixed batch is the baseline",
+    )
     args = ap.parse_args()
-    m, mesh, params = random_model(args.head_scale)
+    sharding.use_cpu_devices(max(args.devices))
     tokens, mask = prompts(args.prompts, args.prompt)
     cfg = sampler.SamplingConfig(
         max_new_tokens=args.new,
@@ -78,10 +87,17 @@ def main():
         pad_id=0,
         prompt_buckets=(args.prompt,),
     )
-    runs = {"fixed batch": timed(sampler.Sampler(m, cfg, mesh), params, tokens, mask, args.group)}
-    for s in args.slots:
-        slot_cfg = dataclasses.replace(cfg, decode_slots=s)
-        runs[f"{s} slots"] = timed(sampler.Sampler(m, slot_cfg, mesh), params, tokens, mask, args.group)
+    runs = {}
+    for d in args.devices:
+        m, mesh, params = random_model(args.head_scale, d)
+        on = "" if args.devices == [1] else f" on {d} device{'s' if d > 1 else ''}"
+        runs[f"fixed batch{on}"] = timed(sampler.Sampler(m, cfg, mesh), params, tokens, mask, args.group)
+        for s in args.slots:
+            slot_cfg = dataclasses.replace(cfg, decode_slots=s)
+            runs[f"{s} slots{on}"] = timed(
+                sampler.Sampler(m, slot_cfg, mesh), params, tokens, mask, args.group
+            )
+    first = next(iter(runs))
     seconds, lengths = {name: [] for name in runs}, []
     for i in range(args.repeats):
         outs = {}
@@ -90,8 +106,8 @@ def main():
             sec, outs[name] = run(i + 1)
             seconds[name].append(sec)
         for name, out in outs.items():  # the same rows, whatever the loop
-            np.testing.assert_array_equal(out["tokens"], outs["fixed batch"]["tokens"], err_msg=name)
-        lengths.append(outs["fixed batch"]["length"])
+            np.testing.assert_array_equal(out["tokens"], outs[first]["tokens"], err_msg=name)
+        lengths.append(outs[first]["length"])
     lengths = np.concatenate(lengths)
     print(
         f"model: random Qwen2 {CONFIG.num_params() / 1e6:.2f}M params, head x{args.head_scale}; "
@@ -104,12 +120,12 @@ def main():
         f"truncated {np.mean(lengths == args.new):.1%}"
     )
     useful = lengths.sum() / args.repeats  # per run
-    base = np.median(seconds["fixed batch"])
+    base = np.median(seconds[first])
     for name, sec in seconds.items():
         med = float(np.median(sec))
         print(
-            f"{name + ':':14s}{useful / med:9.0f} useful tokens/s  ({med:.3f} s a batch, median of "
-            f"{args.repeats}; {base / med:.2f}x the fixed batch)"
+            f"{name + ':':28s}{useful / med:9.0f} useful tokens/s  ({med:.3f} s a batch, median of "
+            f"{args.repeats}; {base / med:.2f}x the {first})"
         )
 
 
