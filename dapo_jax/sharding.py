@@ -47,7 +47,7 @@ def use_cpu_devices(n: int) -> None:
     choice); either way the devices JAX has are kept, and said so."""
     if n == 0:
         return
-    from jax._src import xla_bridge  # noqa: PLC0415 - the one public-less query of "started yet?"
+    from jax._src import xla_bridge  # noqa: PLC0415 - no public API says whether JAX has started
 
     if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
         logging.info("cpu_devices %d: XLA_FLAGS sets the CPU device count, which is kept", n)
