@@ -7,6 +7,7 @@ Also measures this machine's dense f32 matmul rate (jax, the same process) for t
 """
 
 import json
+import math
 import os
 import sys
 import tempfile
@@ -57,7 +58,10 @@ def config(spec: dict, data_file: str):
         steps=spec["warmup"] + spec["steps"],
         train_batch_prompts=n,
         mini_batch_prompts=n,
-    )  # the tiny config's micro-batches of 16: gradient accumulation, still one update
+        # the tiny config's micro-batches of 16 (a divisor of a smaller batch): gradient
+        # accumulation, still one update
+        micro_batch_size=math.gcd(c.train.micro_batch_size, n * g),
+    )
     c.checkpoint.update(every=10_000, asynchronous=False)
     c.eval.update(every=0, at_start=False)
     c.metrics.update(writers="jsonl", completions_every=0)
