@@ -18,7 +18,7 @@ import sys
 
 from absl import app, flags
 
-from dapo_jax import checkpoint, hub, paths, train
+from dapo_jax import checkpoint, hub, paths, sharding, train
 from dapo_jax.errors import CheckpointError, ConfigError
 from dapo_jax.run import Run, build, check_config
 from dapo_jax.train_step import TrainState
@@ -43,6 +43,7 @@ def restore(c, workdir: str, step: int | None = None) -> tuple[Run, TrainState, 
     directory = paths.run_path(workdir) / "checkpoints"
     if not directory.is_dir():
         raise ConfigError(f"workdir {workdir!r} has no checkpoints ({directory} does not exist)")
+    sharding.use_cpu_devices(c.cpu_devices)  # before orbax starts JAX: the run's mesh in `build`
     ckpt = checkpoint.Checkpointer(workdir, read_only=True)  # the run may still be saving
     try:
         steps = ckpt.all_steps()

@@ -365,7 +365,9 @@ def model_numerics(c: ml_collections.ConfigDict) -> dict:
 
 
 def build(c: ml_collections.ConfigDict, workdir: str) -> Run:
-    """The mesh, model, tokenizer, data, samplers, compiled steps and reward workers."""
+    """The mesh (over `c.cpu_devices` XLA devices on a CPU-only host: `sharding.use_cpu_devices`),
+    model, tokenizer, data, samplers, compiled steps and reward workers."""
+    sharding.use_cpu_devices(c.cpu_devices)
     mesh = sharding.make_mesh(c.mesh)
     numerics = model_numerics(c)
     hf_config, mcfg = hf_io.check_model_folder(c.model.path, **numerics)

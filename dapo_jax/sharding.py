@@ -52,11 +52,10 @@ def use_cpu_devices(n: int) -> None:
     if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
         logging.info("cpu_devices %d: XLA_FLAGS sets the CPU device count, which is kept", n)
     elif xla_bridge.backends_are_initialized():
-        if jax.local_device_count("cpu") != n:
+        started = jax.local_device_count("cpu")
+        if started != n:
             logging.warning(
-                "cpu_devices %d not applied: JAX started with %d CPU devices before the run did",
-                n,
-                jax.local_device_count("cpu"),
+                "cpu_devices %d not applied: JAX started with %d CPU devices before the run did", n, started
             )
     else:
         jax.config.update("jax_num_cpu_devices", n)

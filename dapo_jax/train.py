@@ -467,7 +467,6 @@ def train(c: ml_collections.ConfigDict, workdir: str, checkpoint_dir: str | None
     call trained). Hub ids in `c` resolve to cached folders first."""
     c = hub.resolve_config(c)
     check_config(c)
-    sharding.use_cpu_devices(c.cpu_devices)
     check_workdir(workdir)
     paths.run_path(workdir).mkdir(parents=True, exist_ok=True)  # gs:// stays a URL
     run = build(c, workdir)
