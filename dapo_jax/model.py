@@ -48,10 +48,10 @@ class ModelConfig:
     max_position_embeddings: int = 32768
     dtype: str = "bfloat16"  # compute dtype
     param_dtype: str = "float32"
-    remat: bool = False  # rematerialise each decoder layer (and each attention block) in the backward pass
+    remat: bool = False  # rematerialise each decoder layer in the backward pass
     remat_policy: str = "nothing_saveable"  # a jax.checkpoint_policies name: what remat keeps
-    attention_chunk: int = 0  # queries per block of multi-token attention (0: all at once): memory
-    # bounded with remat, else about half the scores skipped (`chunked_attention`)
+    attention_chunk: int = 0  # queries per block of multi-token attention (0: all at once); in the
+    # trainer, memory-bounded with remat, else about half the scores skipped (`chunked_attention`)
     scan_layers: bool = False  # one compiled layer body (nn.scan), params stacked on "layers"
     logits_chunk: int = 0  # tokens per block of LM head + log-softmax in the trainer (0: one)
     transposed_keys: bool = False  # cached keys as [B, K, H, S] (`KVCache`), for XLA:CPU's decode
@@ -216,21 +216,22 @@ def decode_attention(q_BxKxGxH, cache: KVCache, attn_BxS, dtype, transposed_keys
     return jnp.sum(probs_BxKxGxS[..., None] * cache.v[:, :, None], -2)
 
 
-def chunked_attention(q_BxTxKxGxH, keys, v_BxKxSxH, attn_BxTxS, dtype, chunk: int, causal: bool, remat: bool):
+def chunked_attention(q_BxTxKxGxH, keys, v_BxKxSxH, attn_BxTxS, dtype, chunk: int, causal_prefix: bool):
     """`grouped_attention` over blocks of `chunk` queries (one block when T <= chunk or chunk = 0).
 
-    With `remat` the blocks run one after another (`lax.map`), each rematerialised in the backward
+    By default the blocks run one after another (`lax.map`), each rematerialised in the backward
     pass: one block's B x K x G x chunk x S scores are alive at a time, not all T rows of them (a
-    layer's f32 scores at T = S = 20k are ~64 GB per sequence for Qwen2.5-32B). Without, and with
-    `causal` (a teacher-forced pass: query t is key t and reads keys s <= t), block i reads only
-    its keys [0, (i + 1) x chunk), the others being masked: about half of the T x S scores, their
-    softmax and their gradients are never computed, but the blocks are unrolled and XLA may keep
-    all of them alive at once. A fully masked query row (left padding) then averages the values
-    of its block's keys, not of all S: padding rows stay finite, and no real token reads them."""
+    layer's f32 scores at T = S = 20k are ~64 GB per sequence for Qwen2.5-32B). With
+    `causal_prefix` (only for a teacher-forced pass, where query t is key t and reads keys s <= t)
+    block i reads only its keys [0, (i + 1) x chunk), the others being masked: about half of the
+    T x S scores, their softmax and their gradients are never computed, but the blocks are
+    unrolled and XLA may keep all of them alive at once. A fully masked query row (left padding)
+    then averages the values of its block's keys, not of all S: padding rows stay finite, and no
+    real token reads them."""
     b, t, k, g, h = q_BxTxKxGxH.shape
     if not chunk or t <= chunk:
         return grouped_attention(q_BxTxKxGxH, keys, v_BxKxSxH, attn_BxTxS, dtype)
-    if causal and not remat:
+    if causal_prefix:
         blocks = [(start, min(start + chunk, t)) for start in range(0, t, chunk)]
         return jnp.concatenate(
             [
@@ -349,8 +350,9 @@ class Attention(nn.Module):
         dtype, chunk = c.compute_dtype, c.attention_chunk
         if cache is None:
             kT_BxKxHxT = k_BxKxTxH.swapaxes(2, 3)
+            # memory first with remat (one block at a time), else fewer FLOPs (causal prefixes)
             out = chunked_attention(
-                q_BxTxKxGxH, kT_BxKxHxT, v_BxKxTxH, attn_BxTxS, dtype, chunk, True, c.remat
+                q_BxTxKxGxH, kT_BxKxHxT, v_BxKxTxH, attn_BxTxS, dtype, chunk, causal_prefix=not c.remat
             )
         else:
             cache = write_cache(cache, k_BxKxTxH, v_BxKxTxH, cache_index_B, c.transposed_keys)
@@ -360,7 +362,7 @@ class Attention(nn.Module):
             else:
                 kT_BxKxHxS = cache.k if c.transposed_keys else cache.k.swapaxes(2, 3)
                 out = chunked_attention(
-                    q_BxTxKxGxH, kT_BxKxHxS, cache.v, attn_BxTxS, dtype, chunk, False, True
+                    q_BxTxKxGxH, kT_BxKxHxS, cache.v, attn_BxTxS, dtype, chunk, causal_prefix=False
                 )
         out = out.reshape(b, t, n * h)
         out = nn.with_logical_constraint(out, ("batch", "length", "heads"))

@@ -38,9 +38,7 @@ def _loss(m, tokens, mask):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "remat", [False, True]
-)  # the causal prefixes unrolled; all keys, one block at a time
+@pytest.mark.parametrize("remat", [False, True])  # causal prefixes unrolled; one block at a time
 def test_chunked_equals_whole(params, remat):
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, 96, (3, 20)).astype(np.int32)
