@@ -21,6 +21,7 @@ from dapo_jax import (
     data,
     dynamic_sampling,
     hf_io,
+    host_memory,
     metrics,
     model,
     objective,
@@ -368,6 +369,7 @@ def build(c: ml_collections.ConfigDict, workdir: str) -> Run:
     """The mesh (over `c.cpu_devices` XLA devices on a CPU-only host: `sharding.use_cpu_devices`),
     model, tokenizer, data, samplers, compiled steps and reward workers."""
     sharding.use_cpu_devices(c.cpu_devices)
+    host_memory.trim_after_compiles()
     mesh = sharding.make_mesh(c.mesh)
     numerics = model_numerics(c)
     hf_config, mcfg = hf_io.check_model_folder(c.model.path, **numerics)
