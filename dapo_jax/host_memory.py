@@ -1,11 +1,17 @@
-"""The host memory that XLA's compiler frees, given back to the operating system.
+"""glibc's malloc set up for XLA:CPU: freed buffers kept for the next execution, and the memory
+that compilation frees given back to the operating system.
 
-Compiling a step allocates and frees a few hundred MB on the host (on XLA:CPU mostly LLVM's code
-generation). glibc's malloc keeps freed pages in its heap, so without help the process's
-resident memory stays at the high-water mark of every compilation for the rest of the run.
-`malloc_trim(0)` after each backend compilation returns those pages: on the peer benchmark's
-64-token workload our peak RSS went from 883 to 725 MiB at the same step time
-(experiments/README.md, 2026-12-04). Elsewhere than glibc (macOS, musl) all of this is a no-op.
+Two costs of glibc's defaults on a CPU backend (figures: the peer benchmark, 2-core machine,
+experiments/README.md 2026-12-04):
+- Every execution of a compiled step mallocs its temporary buffer (tens to hundreds of MB) and
+  frees it at the end. Above the mmap threshold (which glibc raises to at most 32 MiB) each one
+  is a fresh mmap, and every page of it faults, zeroed by the kernel, on first touch, in every
+  execution: with both thresholds at 2 GiB the buffers stay in the heap and are reused, and the
+  64-token update took 0.150 s instead of 0.179 (the 256-token one 0.62 s instead of 0.70-0.74).
+- Compiling a step allocates and frees a few hundred MB (mostly LLVM's code generation), which
+  the heap then keeps: `malloc_trim(0)` after each compilation returns it (the 64-token run's
+  peak RSS went from 883 to 725 MiB).
+Elsewhere than glibc (macOS, musl) all of this is a no-op.
 """
 
 import ctypes
@@ -15,18 +21,22 @@ import jax
 
 # the event `jax._src.dispatch` records when a backend compilation ends (jax >= 0.4.36)
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+# mallopt parameters (glibc's malloc.h) and the thresholds set: the largest a C int holds
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+KEEP_BELOW = 2**31 - 1
 
 
 @functools.cache
-def _malloc_trim():
-    """glibc's `malloc_trim`, or None where the C library has none."""
-    return getattr(ctypes.CDLL(None), "malloc_trim", None)
+def _glibc():
+    """The C library when it is glibc (it has `malloc_trim`), else None."""
+    libc = ctypes.CDLL(None)
+    return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
 
 
 def trim() -> bool:
     """Return the free pages of the C heap to the OS; whether any were (False off glibc)."""
-    malloc_trim = _malloc_trim()
-    return bool(malloc_trim is not None and malloc_trim(0))
+    libc = _glibc()
+    return bool(libc is not None and libc.malloc_trim(0))
 
 
 def _on_duration(event: str, duration_secs: float, **kwargs) -> None:
@@ -36,8 +46,16 @@ def _on_duration(event: str, duration_secs: float, **kwargs) -> None:
 
 
 @functools.cache
-def trim_after_compiles() -> None:
-    """Run `trim` after every XLA compilation of this process from now on (once per process,
-    however often it is called)."""
-    if _malloc_trim() is not None:
-        jax.monitoring.register_event_duration_secs_listener(_on_duration)
+def tune_for_xla_cpu() -> None:
+    """For the rest of this process: allocations below 2 GiB served from the heap and freed
+    memory kept there (mmap and trim thresholds, `mallopt`), and `trim` after every XLA
+    compilation. Once per process, however often it is called; for a CPU backend (an
+    accelerator's buffers are not on this heap, and a host that loads a large checkpoint had
+    better give its buffers back)."""
+    libc = _glibc()
+    if libc is None:
+        return
+    for param in (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD):
+        if not libc.mallopt(param, KEEP_BELOW):
+            raise RuntimeError(f"glibc mallopt({param}, {KEEP_BELOW}) was refused")
+    jax.monitoring.register_event_duration_secs_listener(_on_duration)

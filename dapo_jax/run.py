@@ -369,8 +369,9 @@ def build(c: ml_collections.ConfigDict, workdir: str) -> Run:
     """The mesh (over `c.cpu_devices` XLA devices on a CPU-only host: `sharding.use_cpu_devices`),
     model, tokenizer, data, samplers, compiled steps and reward workers."""
     sharding.use_cpu_devices(c.cpu_devices)
-    host_memory.trim_after_compiles()
     mesh = sharding.make_mesh(c.mesh)
+    if mesh.devices.flat[0].platform == "cpu":
+        host_memory.tune_for_xla_cpu()
     numerics = model_numerics(c)
     hf_config, mcfg = hf_io.check_model_folder(c.model.path, **numerics)
     if c.loss.beta > 0 and hf_io.check_model_folder(c.reference.path, **numerics)[1] != mcfg:
