@@ -302,6 +302,34 @@ def test_continuous_batching_equals_the_fixed_batch(qwen2, single):
         np.testing.assert_allclose(out["logp"], fixed["logp"], atol=1e-6, err_msg=f"{slots} slots")
 
 
+@pytest.mark.parametrize("slots", [0, 8])
+def test_a_loop_per_device_equals_one_loop_over_the_mesh(qwen2_dir, qwen2, single, slots):
+    """On a data-only mesh of 4 devices, a loop per device (`shard_map`, no collective in the
+    program; 6 prompts filled up to 8): every row gets the tokens, lengths and log-probs of one
+    device's fixed batch, with fixed batches and with slots."""
+    m, params = qwen2
+    prompt, mask = _prompts([8, 3, 6, 1, 5, 7, 2, 8], 8, seed=9)
+    cfg = _config(eos_ids=tuple(range(3, 11)), temperature=0.8)
+    uids = [4, 1, 7, 2, 9, 3, 0, 5]
+    key = jax.random.key(6)
+    ref = jax.device_get(sampler.Sampler(m, cfg, single).generate(params, prompt, mask, 2, key, uids_P=uids))
+    assert ref["truncated"].any() and not ref["truncated"].all()
+    mesh = sharding.make_mesh({"data": 4}, devices=jax.devices()[:4])
+    _, mesh_params = _load(qwen2_dir, mesh)
+    s = sampler.Sampler(m, dataclasses.replace(cfg, decode_slots=slots), mesh)
+    for p in (8, 4, 6):
+        out = s.generate(mesh_params, prompt[:p], mask[:p], 2, key, uids_P=uids[:p])
+        assert out["tokens"].sharding.spec == P(("data", "fsdp"), None)
+        out = jax.device_get(out)
+        for k in ("tokens", "length", "truncated", "mask"):
+            np.testing.assert_array_equal(out[k], ref[k][: 2 * p], err_msg=f"{k}, {p} prompts")
+        np.testing.assert_allclose(out["logp"], ref["logp"][: 2 * p], atol=1e-6)
+    assert s.num_traces == 3  # one program per P
+    rows = (mesh_params, prompt[:4], mask[:4], np.asarray(uids[:4], np.int32), key)
+    hlo = s._rollout_fn(2).lower(*rows).compile().as_text()
+    assert "all-reduce" not in hlo and "all-gather" not in hlo
+
+
 def test_decode_slots_are_checked(qwen2):
     m, _ = qwen2
     with pytest.raises(ValueError, match="decode_slots must be >= 0"):
