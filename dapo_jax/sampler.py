@@ -503,8 +503,7 @@ class Sampler:
                 f"decode_slots = {config.decode_slots} do not divide over the {self._data_size} "
                 "devices of the data x fsdp mesh axes"
             )
-        # every device holds all the weights: a loop per device (module docstring, Devices)
-        self._per_device = self._data_size > 1 and mesh.shape["fsdp"] == mesh.shape["tensor"] == 1
+        self._per_device = sharding.splits_only_the_batch(mesh)  # module docstring, Devices
         self._jitted = {}  # n -> jitted rollout
 
     def _rollout_fn(self, n: int):

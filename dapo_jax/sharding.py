@@ -61,6 +61,12 @@ def use_cpu_devices(n: int) -> None:
         jax.config.update("jax_num_cpu_devices", n)
 
 
+def splits_only_the_batch(mesh: Mesh) -> bool:
+    """Whether `mesh` has several devices, all on the data axis (fsdp = tensor = 1): each device
+    holds all the weights and can run its batch shard's decode loop or gradient by itself."""
+    return mesh.shape["data"] > 1 and mesh.shape["fsdp"] == mesh.shape["tensor"] == 1
+
+
 def mesh_shape(sizes: Mapping[str, int], num_devices: int) -> tuple[int, ...]:
     """Resolve the configured axis sizes, one of which may be -1 ("the rest")."""
     unknown = [k for k in sizes if k not in MESH_AXES]

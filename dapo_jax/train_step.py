@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec
 
 from dapo_jax import model as model_lib
 from dapo_jax import objective, sharding
@@ -269,14 +270,27 @@ def _add_metrics(total: dict, part: dict) -> dict:
     return {k: jnp.maximum(total[k], v) if k.endswith("_max") else total[k] + v for k, v in part.items()}
 
 
-def loss_and_grads(model, loss_cfg: LossConfig, params, batch: Batch, num_micro_batches: int):
+def loss_and_grads(model, loss_cfg: LossConfig, params, batch: Batch, num_micro_batches: int, mesh=None):
     """`(grads, metrics)` of the mini-batch's policy loss, accumulated over micro-batches.
 
     Denominators come from the whole mini-batch's loss mask, so every micro-batch's loss, gradient
     and metrics are its additive share and the scan sums them: 1, 2 or 4 micro-batches give the same
-    gradient as one pass.
+    gradient as one pass. With `mesh`, one that splits only the batch
+    (`sharding.splits_only_the_batch`), each device scans its own rows' micro-batches
+    (`jax.shard_map`) and one all-reduce sums the devices' gradients, where one program over the
+    mesh all-reduces every micro-batch's (on 2 CPU devices a wait for the slower device each time).
     """
     denom = objective.denominators(batch.loss_mask_BxT, loss_cfg.agg_mode, loss_cfg.norm_const)
+    accumulate = functools.partial(_accumulated_grads, model, loss_cfg, num_micro_batches)
+    if mesh is not None:
+        accumulate = _summed_over_devices(accumulate, mesh)
+    grads, metrics = accumulate(params, batch, denom)
+    metrics["loss_tokens"] = denom.tokens
+    return grads, metrics
+
+
+def _accumulated_grads(model, loss_cfg: LossConfig, num_micro_batches: int, params, batch: Batch, denom):
+    """The scan of `loss_and_grads` over the micro-batches of `batch`: summed gradients and metrics."""
     grad_fn = jax.value_and_grad(functools.partial(micro_loss, model, loss_cfg, denom), has_aux=True)
 
     def body(grads, micro):
@@ -285,9 +299,26 @@ def loss_and_grads(model, loss_cfg: LossConfig, params, batch: Batch, num_micro_
 
     micros = jax.tree.map(functools.partial(_split_micro, n=num_micro_batches), batch)
     grads, metrics_N = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), micros)
-    metrics = {k: jnp.max(v) if k.endswith("_max") else jnp.sum(v) for k, v in metrics_N.items()}
-    metrics["loss_tokens"] = denom.tokens
-    return grads, metrics
+    return grads, {k: jnp.max(v) if k.endswith("_max") else jnp.sum(v) for k, v in metrics_N.items()}
+
+
+def _summed_over_devices(accumulate, mesh):
+    """`accumulate(params, batch, denom)` run by each device of `mesh` on its rows, its gradients
+    and metrics summed over the devices (`*_max` metrics: their maximum)."""
+    axes = ("data", "fsdp")
+
+    def per_device(params, batch, denom):
+        grads, metrics = accumulate(params, batch, denom)
+        reduce = lambda k, v: jax.lax.pmax(v, axes) if k.endswith("_max") else jax.lax.psum(v, axes)
+        return jax.lax.psum(grads, axes), {k: reduce(k, v) for k, v in metrics.items()}
+
+    return jax.shard_map(
+        per_device,
+        mesh=mesh,
+        in_specs=(PartitionSpec(), PartitionSpec(axes), PartitionSpec()),
+        out_specs=PartitionSpec(),
+        check_vma=False,
+    )
 
 
 def apply_gradients(optimizer, schedule, state: TrainState, grads, metrics: dict):
@@ -311,8 +342,10 @@ def apply_gradients(optimizer, schedule, state: TrainState, grads, metrics: dict
     return new_state, metrics
 
 
-def _train_step(model, optimizer, schedule, loss_cfg, num_micro_batches, state: TrainState, batch: Batch):
-    grads, metrics = loss_and_grads(model, loss_cfg, state.params, batch, num_micro_batches)
+def _train_step(
+    model, optimizer, schedule, loss_cfg, num_micro_batches, mesh, state: TrainState, batch: Batch
+):
+    grads, metrics = loss_and_grads(model, loss_cfg, state.params, batch, num_micro_batches, mesh)
     return apply_gradients(optimizer, schedule, state, grads, metrics)
 
 
@@ -327,14 +360,18 @@ def make_train_step(model, optimizer, schedule, loss_cfg: LossConfig, mesh, num_
     `state.step` does not advance).
     """
     state_sh = state_shardings(model, optimizer, mesh)
-    step = functools.partial(_train_step, model, optimizer, schedule, loss_cfg, num_micro_batches)
+    per_device = sharding.splits_only_the_batch(mesh)  # the gradient of each device's rows apart
+    step = functools.partial(
+        _train_step, model, optimizer, schedule, loss_cfg, num_micro_batches, mesh if per_device else None
+    )
     jitted = jax.jit(
         step,
         in_shardings=(state_sh, batch_shardings(mesh, loss_cfg.beta > 0)),
         out_shardings=(state_sh, sharding.replicated(mesh)),
         donate_argnums=0,
     )
-    return _on_mesh(jitted, mesh)
+    # a device's own scan has no logical constraints to apply (the mesh is all manual there)
+    return jitted if per_device else _on_mesh(jitted, mesh)
 
 
 def bucket_width(needed: int, bucket: int, at_most: int) -> int:

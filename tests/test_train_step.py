@@ -152,7 +152,10 @@ def make_step(mesh, sorted_bucket=0):
 
 
 @pytest.mark.slow
-def test_sharded_step_equals_single_device():
+@pytest.mark.parametrize("axes", [{"data": 2, "fsdp": 2, "tensor": 2}, {"data": 4}])
+def test_sharded_step_equals_single_device(axes):
+    """Weights sharded (one program over the mesh) or whole on each of 4 data devices (each
+    device's gradient apart, `jax.shard_map`, then summed): the single device's update."""
     single = single_mesh()
     params0 = init(single)
     batch = single_device_batch()  # on the host, as the loop sends it
@@ -161,13 +164,17 @@ def test_sharded_step_equals_single_device():
     opt, step = make_step(single)
     state1, m1 = step(ts.init_train_state(MODEL, opt, single, params0), batch)
 
-    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    mesh = sharding.make_mesh(axes, devices=jax.devices()[: np.prod(list(axes.values()))])
     params8 = jax.device_put(expected0, sharding.param_shardings(MODEL, mesh))
     opt8, step8 = make_step(mesh)
-    state8, m8 = step8(ts.init_train_state(MODEL, opt8, mesh, params8), batch)
+    state8 = ts.init_train_state(MODEL, opt8, mesh, params8)
+    per_device = "manual_computation" in step8.lower(state8, batch).as_text()
+    assert per_device == (len(axes) == 1)
+    state8, m8 = step8(state8, batch)
 
     kernel = state8.params["layers_0"]["mlp"]["gate_proj"]["kernel"]
     assert kernel.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
+    assert kernel.sharding.is_fully_replicated == per_device
     mu = state8.opt_state[1][0].mu["layers_0"]["mlp"]["gate_proj"]["kernel"]
     assert mu.sharding.spec == kernel.sharding.spec
     for k in ("loss", "grad_norm", "update_norm", "pg_clipfrac_upper", "entropy", "kl_ref"):
