@@ -1,16 +1,15 @@
 """glibc's malloc set up for XLA:CPU: freed buffers kept for the next execution, and the memory
 that compilation frees given back to the operating system.
 
-Two costs of glibc's defaults on a CPU backend (figures: the peer benchmark, 2-core machine,
-experiments/README.md 2026-12-04):
+Two costs of glibc's defaults on a CPU backend (figures: experiments/README.md):
 - Every execution of a compiled step mallocs its temporary buffer (tens to hundreds of MB) and
   frees it at the end. Above the mmap threshold (which glibc raises to at most 32 MiB) each one
   is a fresh mmap, and every page of it faults, zeroed by the kernel, on first touch, in every
-  execution: with both thresholds at 2 GiB the buffers stay in the heap and are reused, and the
-  64-token update took 0.150 s instead of 0.179 (the 256-token one 0.62 s instead of 0.70-0.74).
+  execution. With both thresholds at 2 GiB the buffers stay in the heap and are reused: the
+  peer benchmark's update ~10% faster, a length-sorted one's ~35%.
 - Compiling a step allocates and frees a few hundred MB (mostly LLVM's code generation), which
-  the heap then keeps: `malloc_trim(0)` after each compilation returns it (the 64-token run's
-  peak RSS went from 883 to 725 MiB).
+  the heap then keeps: `malloc_trim(0)` after each compilation returns it (the peer benchmark's
+  peak RSS ~18% lower).
 Elsewhere than glibc (macOS, musl) all of this is a no-op.
 """
 

@@ -24,8 +24,8 @@ device holds all the weights), each device runs the loop by itself (`jax.shard_m
 prompts (P filled up to a multiple of d with copies of the last prompt, whose rows are dropped),
 all their rows, in S / d slots: no collective in the loop, and a device whose rows have ended
 stops. Otherwise one loop spans the mesh: its batch sharded, its stopping test and slot refills
-agreed across devices at every step. (On 2 CPU devices the
-long-tail rollout of experiments/bench_rollout.py went 2.6-4.7x faster per device; 2026-12-04.)
+agreed across devices at every step, which on CPU devices cost more than the slots saved
+(figures: experiments/README.md).
 
 The rows' tokens and log-probs do not depend on the loop, the slot count, the batch, the devices
 or the slots a row is given (to float rounding of the attention sums, ~1e-7).
