@@ -303,7 +303,7 @@ def test_continuous_batching_equals_the_fixed_batch(qwen2, single):
 
 
 @pytest.mark.parametrize("slots", [0, 8])
-def test_a_loop_per_device_equals_one_loop_over_the_mesh(qwen2_dir, qwen2, single, slots):
+def test_a_loop_per_device_equals_one_device(qwen2_dir, qwen2, single, slots):
     """On a data-only mesh of 4 devices, a loop per device (`shard_map`, no collective in the
     program; 6 prompts filled up to 8): every row gets the tokens, lengths and log-probs of one
     device's fixed batch, with fixed batches and with slots."""
