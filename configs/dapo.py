@@ -56,6 +56,7 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
         max_new_tokens=20480,  # L_max
         micro_batch_prompts=32,  # prompts decoded at once: 512 rows' bf16 KV cache
         decode_slots=0,  # rows decoded at once by continuous batching (0: a fixed batch)
+        decode_chunks=4,  # the fixed batch's phases, each reading the cache filled by its end
         # the sampler's weights: bf16, tensor-parallel over 8 chips and replicated over the rest
         # (fewer bytes per decoded token than the trainer's FSDP layout and no all-gather:
         # `python -m dapo_jax.aot`, docs/tpu_32b_plan.md)
@@ -167,6 +168,7 @@ def tiny() -> ml_collections.ConfigDict:
         max_new_tokens=96,  # L_max; worked solutions take up to ~75 tokens
         micro_batch_prompts=0,  # the whole generation batch at once
         decode_slots=0,  # rows decoded at once by continuous batching (0: a fixed batch)
+        decode_chunks=4,  # the fixed batch's phases, each reading the cache filled by its end
         tensor_parallel=0,  # the sampler's mesh: data x tensor (0: the trainer's mesh and weights)
         param_dtype="",  # the sampler's weight dtype ("": the trainer's)
         dtype="",  # the sampler's compute dtype ("": the trainer's, model.dtype)

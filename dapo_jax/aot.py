@@ -293,6 +293,7 @@ def _sampling(c, shapes: Shapes) -> sampler.SamplingConfig:
         top_p=c.rollout.top_p,
         top_k=c.rollout.top_k,
         decode_slots=c.rollout.decode_slots,
+        decode_chunks=c.rollout.decode_chunks,
     )
 
 

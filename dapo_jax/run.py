@@ -83,6 +83,7 @@ _RANGES = {
     "model.logits_chunk": "[0, inf)",
     "rollout.micro_batch_prompts": "[0, inf)",
     "rollout.decode_slots": "[0, inf)",
+    "rollout.decode_chunks": "[1, inf)",
     "rollout.tensor_parallel": "[0, inf)",
 }
 
@@ -433,6 +434,7 @@ def samplers(c: ml_collections.ConfigDict, m: model.Transformer, mesh, tokenizer
         prompt_buckets=tuple(c.data.prompt_buckets),
         top_k=c.rollout.top_k,
         decode_slots=c.rollout.decode_slots,
+        decode_chunks=c.rollout.decode_chunks,
     )
     sampler_model, sampler_mesh, rollout_weights = sampler_weights(c, m, mesh)
     sampler = Sampler(
