@@ -17,7 +17,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 from absl import logging
-from jax.experimental import multihost_utils
+from jax.experimental import mesh_utils, multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -88,13 +88,31 @@ def mesh_shape(sizes: Mapping[str, int], num_devices: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def device_grid(shape: tuple[int, ...], devices) -> np.ndarray:
+    """`devices` arranged as a (data, fsdp, tensor) array of `shape`, from their physical topology:
+    on TPU (devices with torus `coords`) `mesh_utils.create_device_mesh` maps the tensor axis, then
+    fsdp, then data, onto neighbouring chips, splitting a physical axis where the shape needs it
+    (v5p-128's 4x4x4 torus has no axis of 8, so tensor = 8 takes 4 x 2 of two axes); devices
+    without coordinates (CPU) in their given order. One slice only."""
+    devices = list(devices)
+    slices = {getattr(d, "slice_index", 0) for d in devices}
+    if len(slices) > 1:
+        raise ValueError(
+            f"the {len(devices)} devices span {len(slices)} TPU slices; the mesh builds one slice's "
+            "devices only (a multi-slice mesh would put the data axis across slices)"
+        )
+    if all(getattr(d, "coords", None) is not None for d in devices) and devices[0].platform == "tpu":
+        return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    return np.asarray(devices).reshape(shape)
+
+
 def make_mesh(sizes: Mapping[str, int], devices=None) -> Mesh:
-    """A mesh over all (or the given) devices with automatic sharding on every axis."""
+    """The mesh of `sizes` (`mesh_shape`) over all (or the given) devices, laid out by
+    `device_grid`, with automatic sharding on every axis: the one builder of every mesh a run,
+    an evaluation, an export or the AOT check uses."""
     devices = jax.devices() if devices is None else list(devices)
-    shape = mesh_shape(sizes, len(devices))
-    if devices == jax.devices():
-        return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(shape))
-    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * len(shape))
+    grid = device_grid(mesh_shape(sizes, len(devices)), devices)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 @contextlib.contextmanager

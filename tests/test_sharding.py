@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from dapo_jax import hf_io, model, sharding
+from dapo_jax.errors import ConfigError
 
 
 def test_mesh_shape_resolves_the_rest():
@@ -92,3 +94,68 @@ def test_init_params_is_born_sharded():
     assert {s.data.shape for s in up.addressable_shards} == {(4, 16)}
     n = sum(x.size for x in jax.tree.leaves(params))
     assert n == cfg.num_params()
+
+
+class _FakeChip(NamedTuple):
+    """A TPU chip as `mesh_utils` reads one: its torus coordinates and core, nothing to run on."""
+
+    id: int
+    coords: tuple[int, int, int]
+    core_on_chip: int = 0
+    platform: str = "tpu"
+    device_kind: str = "TPU v5"
+    slice_index: int = 0
+
+
+def _v5p_4x4x4() -> list[_FakeChip]:
+    """v5p-128's 64 chips in the order jax lists them: hosts of 2 x 2 chips, x fastest."""
+    coords = [
+        (hx * 2 + x, hy * 2 + y, z)
+        for z in range(4)
+        for hy in range(2)
+        for hx in range(2)
+        for y in range(2)
+        for x in range(2)
+    ]
+    return [_FakeChip(i, c) for i, c in enumerate(coords)]
+
+
+def _box_volume(chips) -> int:
+    """Chips in the smallest box of the torus that holds them (a ring or plane of neighbours:
+    their count)."""
+    c = np.array([chip.coords for chip in chips])
+    return int(np.prod(c.max(0) - c.min(0) + 1))
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 8), (1, 16, 4), (2, 4, 8), (8, 1, 8), (4, 4, 4), (64, 1, 1)])
+def test_device_grid_places_tensor_groups_on_neighbouring_chips_of_the_torus(shape):
+    chips = _v5p_4x4x4()
+    grid = sharding.device_grid(shape, chips)
+    assert grid.shape == shape and sorted(d.id for d in grid.flat) == list(range(64))
+    tensor_groups = grid.reshape(-1, shape[2])
+    assert all(_box_volume(group) == shape[2] for group in tensor_groups)
+    model_groups = grid.reshape(shape[0], -1)  # fsdp x tensor: one data replica's chips
+    assert all(_box_volume(group) == shape[1] * shape[2] for group in model_groups)
+
+
+def test_device_grid_keeps_the_order_of_devices_without_coordinates_and_one_slice():
+    devices = jax.devices()[::-1]
+    assert list(sharding.device_grid((2, 2, 2), devices).flat) == devices
+    two_slices = [chip._replace(slice_index=chip.id // 32) for chip in _v5p_4x4x4()]
+    with pytest.raises(ValueError, match="span 2 TPU slices"):
+        sharding.device_grid((1, 8, 8), two_slices)
+
+
+def test_mesh_of_abstract_v5p_128_chips_splits_physical_axes():
+    """The real libtpu devices of v5p-128 (the tpu extra); skipped where libtpu is absent (CI)."""
+    from dapo_jax import aot  # noqa: PLC0415
+
+    try:
+        _, devices = aot.topology_devices("v5p-128")
+    except ConfigError as e:
+        pytest.skip(f"no abstract TPU devices here: {e}")
+    for sizes in ({"fsdp": -1, "tensor": 8}, {"fsdp": 16, "tensor": 4}, {"data": 2, "fsdp": 4, "tensor": 8}):
+        mesh = sharding.make_mesh(sizes, devices)
+        assert mesh.devices.size == 64 and mesh.shape["tensor"] == sizes["tensor"]
+        groups = mesh.devices.reshape(-1, sizes["tensor"])
+        assert all(_box_volume(group) == sizes["tensor"] for group in groups)
