@@ -23,6 +23,14 @@ def dapo_loss() -> ml_collections.ConfigDict:
             entropy_coef=0.0,  # entropy bonus coefficient (entropy is logged always)
             normalize_std=True,  # A_i = (R_i - mean) / (std + 1e-6); False = Dr.GRPO
             old_logp="recompute",  # log pi_old: "recompute" (recipe), "sampler" or "detached" (1 update)
+            # Mismatch correction pi_old / pi_sampler (verl's algorithm.rollout_correction; the recipe
+            # has none): importance weights "token" or "sequence", truncated at the threshold, and
+            # rejection "token", "sequence" or "geometric" outside [lower (0: 1 / upper), upper].
+            rollout_is="",
+            rollout_is_threshold=2.0,
+            rollout_rs="",
+            rollout_rs_threshold=2.0,
+            rollout_rs_threshold_lower=0.0,
         )
     )
 

@@ -134,14 +134,17 @@ def policy_loss_sum(
     *,
     ref_logp_BxT=None,
     entropy_BxT=None,
+    is_weight_BxT=None,
 ):
     """These rows' share of the mini-batch loss: sums over their tokens / the mini-batch's `denom`.
 
     Per token, with r = exp(logp - old_logp) (log r clamped to ±20):
         L1 = -A_i r_{i,t};  L2 = -A_i clip(r_{i,t}, 1 - ε_low, 1 + ε_high);  Lc = max(L1, L2)
         l_pg = min(Lc, -A_i c) where A_i < 0 and c is set (dual clip), else Lc
-        l = l_pg + β KL_k3(pi_theta || pi_ref) - entropy_coef H
-    with ε_low, ε_high, c, β, entropy_coef from `cfg` (its norm_const enters through `denom`).
+        l = ρ_{i,t} l_pg + β KL_k3(pi_theta || pi_ref) - entropy_coef H
+    with ρ_{i,t} = `is_weight_BxT`, constants (the mismatch correction's truncated importance
+    weights pi_old / pi_sampler, `rollout_correction`; 1 without them), and ε_low, ε_high, c, β,
+    entropy_coef from `cfg` (its norm_const enters through `denom`).
     Aggregated with weights w_{i,t} = m_{i,t} (token-mean, seq-mean-token-sum[-norm]) or
     m_{i,t} / sum_t m_{i,t} (seq-mean-token-mean):  loss = sum_{i,t} w l / denom.loss.
 
@@ -173,6 +176,8 @@ def policy_loss_sum(
     if clip_ratio_c is not None:
         pg_BxT = jnp.where(a_Bx1 < 0, jnp.minimum(pg_BxT, -a_Bx1 * clip_ratio_c), pg_BxT)
         dual_BxT = (a_Bx1 < 0) & (ratio_BxT > clip_ratio_c)
+    if is_weight_BxT is not None:
+        pg_BxT = pg_BxT * jax.lax.stop_gradient(is_weight_BxT)
 
     w_BxT = m_BxT
     if cfg.agg_mode == "seq-mean-token-mean":
@@ -220,6 +225,7 @@ def policy_loss(
     *,
     ref_logp_BxT=None,
     entropy_BxT=None,
+    is_weight_BxT=None,
 ):
     """The loss of one whole mini-batch: `policy_loss_sum` over its own `denominators`.
 
@@ -238,4 +244,5 @@ def policy_loss(
         cfg,
         ref_logp_BxT=ref_logp_BxT,
         entropy_BxT=entropy_BxT,
+        is_weight_BxT=is_weight_BxT,
     )

@@ -137,6 +137,7 @@ def check_config(c: ml_collections.ConfigDict) -> None:
     if c.loss.agg_mode not in objective.AGG_MODES:
         raise ConfigError(f"loss.agg_mode {c.loss.agg_mode!r} is not one of {objective.AGG_MODES}")
     for section, make in (
+        ("loss", lambda: loss_config(c)),
         ("reward", lambda: rewards.get_reward_fn(c.reward.fn)),
         ("filter", lambda: make_filter(c)),
     ):
@@ -218,6 +219,11 @@ def _check_old_logp(c: ml_collections.ConfigDict) -> None:
                 f"loss.old_logp 'sampler' with rollout.{key} {c.rollout[key]!r}: the sampler's log-probs "
                 f"are not pi_old of the trainer's {c.model[key]} model: use 'recompute' or 'detached'"
             )
+    if mode != "recompute" and (c.loss.rollout_is or c.loss.rollout_rs):
+        raise ConfigError(
+            f"loss.rollout_is / rollout_rs with loss.old_logp {mode!r}: the correction weighs "
+            "pi_old / pi_sampler, 1 when pi_old is the sampler's: use loss.old_logp 'recompute'"
+        )
     if mode != "recompute" and c.filter.carry_over:
         raise ConfigError(
             f"loss.old_logp {mode!r} with filter.carry_over: carried groups were sampled before the "

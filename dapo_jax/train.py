@@ -55,6 +55,7 @@ from dapo_jax import (
     overrides,
     paths,
     rollout,
+    rollout_correction,
     sharding,
     train_step,
 )
@@ -67,6 +68,7 @@ from dapo_jax.run import (
     check_config,
     check_workdir,
     load_config_file,
+    loss_config,
     make_filter,
     profile_steps,
 )
@@ -401,6 +403,7 @@ def _step(
         old_logp_BxT = run.logprobs_fn(state.params, device.tokens_BxT, device.mask_BxT)
     else:
         old_logp_BxT = _to_device(_sampler_logp(batch, prompt_width, host.tokens_BxT.shape[1]), run.mesh)
+    device, is_weight_BxT, correction = _corrected(run, batch, prompt_width, device, old_logp_BxT)
     state, updates = train_step.train_on_rollout(
         run.train_step,
         run.logprobs_fn,
@@ -410,6 +413,7 @@ def _step(
         c.train.train_batch_prompts // c.train.mini_batch_prompts,
         run.ref_params,
         old_logp_BxT,
+        is_weight_BxT,
     )
     updates = jax.device_get(updates)
     t_train = time.time() - t1
@@ -424,8 +428,28 @@ def _step(
     else:  # the first update's params are the sampler's: its rows check the sampler
         agreement = {f"rollout/{k}": float(updates[0][k]) for k in ("logp_diff_mean", "logp_diff_max")}
     seconds = {"rollout": t_rollout, "train": t_train, "step": time.time() - t0}
-    out = {**_data_metrics(batch), **filter_stats, **agreement, **_actor_metrics(updates)}
+    out = {**_data_metrics(batch), **filter_stats, **agreement, **correction, **_actor_metrics(updates)}
     return state, {**out, **_speed_metrics(run, batch, host, seconds)}, batch
+
+
+_correct = jax.jit(rollout_correction.correct, static_argnums=0)
+
+
+def _corrected(run: Run, batch: TrainBatch, prompt_width: int, device: train_step.Rollout, old_logp_BxT):
+    """`(rollout, is_weight_BxT, metrics)` under loss.rollout_is / loss.rollout_rs: the rollout's
+    loss mask with the rejected tokens out, the IS weights pi_old / pi_sampler (None without
+    rollout_is) and the rollout_corr/* metrics (`rollout_correction.correct`); without a
+    correction the rollout unchanged, None and no metrics."""
+    cfg = loss_config(run.config)
+    if not cfg.corrects:
+        return device, None, {}
+    width = device.tokens_BxT.shape[1]
+    sampler_logp_BxT = _to_device(_sampler_logp(batch, prompt_width, width), run.mesh)
+    with sharding.activate(run.mesh):
+        corr = _correct(cfg, old_logp_BxT, sampler_logp_BxT, device.loss_mask_BxT)
+    weight_BxT = corr.is_weight_BxT if cfg.rollout_is else None
+    metrics = {k: float(v) for k, v in jax.device_get(corr.metrics).items()}
+    return device._replace(loss_mask_BxT=corr.loss_mask_BxT), weight_BxT, metrics
 
 
 def _speed_metrics(run: Run, batch: TrainBatch, host: train_step.Rollout, seconds: dict) -> dict:

@@ -30,7 +30,7 @@ import optax
 from jax.sharding import PartitionSpec
 
 from dapo_jax import model as model_lib
-from dapo_jax import objective, sharding
+from dapo_jax import objective, rollout_correction, sharding
 
 # Where log pi_old comes from. "recompute": a forward pass of the current params before the first
 # update (verl's recipe). "sampler": the sampler's log-probs (the same params; equal to ~1e-7 in
@@ -43,15 +43,17 @@ OLD_LOGP = ("recompute", "sampler", "detached")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LossConfig(objective.PolicyLossConfig):
-    """The policy loss's knobs (`objective.PolicyLossConfig`), with where its log-probs come from;
+class LossConfig(objective.PolicyLossConfig, rollout_correction.CorrectionConfig):
+    """The policy loss's knobs (`objective.PolicyLossConfig`), the mismatch correction's
+    (`rollout_correction.CorrectionConfig`, off by default), with where its log-probs come from;
     static under jit, every field set by the config (`run.loss_config`)."""
 
     temperature: float  # the rollout temperature; log-probs come from logits / temperature
     old_logp: str = "recompute"  # where log pi_old comes from: one of OLD_LOGP
 
     def __post_init__(self):
-        super().__post_init__()
+        objective.PolicyLossConfig.__post_init__(self)
+        rollout_correction.CorrectionConfig.__post_init__(self)
         if self.old_logp not in OLD_LOGP:
             raise ValueError(f"unknown old_logp {self.old_logp!r}; use one of {OLD_LOGP}")
 
@@ -80,6 +82,7 @@ class Batch(NamedTuple):
     adv_B: jax.Array
     old_logp_BxT: jax.Array  # log pi_old(o_{i,t}); with LossConfig.old_logp "detached", the sampler's
     ref_logp_BxT: jax.Array | None  # log pi_ref(o_{i,t}); None exactly when β = 0
+    is_weight_BxT: jax.Array | None = None  # the correction's IS weights; None unless rollout_is
 
 
 def learning_rate_schedule(
@@ -145,9 +148,10 @@ def init_train_state(model, optimizer, mesh, params) -> TrainState:
         return jax.jit(init, in_shardings=(shardings.params,), out_shardings=shardings)(params)
 
 
-def batch_shardings(mesh, with_ref: bool) -> Batch:
+def batch_shardings(mesh, with_ref: bool, with_weight: bool = False) -> Batch:
     rows = lambda ndim: sharding.batch_sharding(mesh, ndim)
-    return Batch(rows(2), rows(2), rows(2), rows(1), rows(2), rows(2) if with_ref else None)
+    maybe = lambda on: rows(2) if on else None
+    return Batch(rows(2), rows(2), rows(2), rows(1), rows(2), maybe(with_ref), maybe(with_weight))
 
 
 def _split_micro(x, n: int):
@@ -258,6 +262,7 @@ def micro_loss(model, loss_cfg: LossConfig, denom: objective.Denominators, param
         c,
         ref_logp_BxT=micro.ref_logp_BxT,
         entropy_BxT=entropy_bxT,
+        is_weight_BxT=micro.is_weight_BxT,
     )
     if c.old_logp != "recompute":
         diff = objective.logp_diff(logp_bxT, micro.old_logp_BxT, micro.loss_mask_BxT, denom)
@@ -366,7 +371,7 @@ def make_train_step(model, optimizer, schedule, loss_cfg: LossConfig, mesh, num_
     )
     jitted = jax.jit(
         step,
-        in_shardings=(state_sh, batch_shardings(mesh, loss_cfg.beta > 0)),
+        in_shardings=(state_sh, batch_shardings(mesh, loss_cfg.beta > 0, bool(loss_cfg.rollout_is))),
         out_shardings=(state_sh, sharding.replicated(mesh)),
         donate_argnums=0,
     )
@@ -544,13 +549,15 @@ def train_on_rollout(
     num_mini_batches: int,
     ref_params=None,
     old_logp_BxT=None,
+    is_weight_BxT=None,
 ):
     """k = `num_mini_batches` updates on contiguous slices of `rollout` (groups stay whole).
 
     log pi_old is computed once with the current params before the first update (so the first
     update sees r = 1), unless the caller already did or gives the sampler's (`old_logp_BxT`,
     with LossConfig.old_logp "sampler" or "detached"); log pi_ref with
-    `ref_params` only when they are given (exactly when β > 0).
+    `ref_params` only when they are given (exactly when β > 0). `is_weight_BxT`: the mismatch
+    correction's weights (`rollout_correction.correct`), with LossConfig.rollout_is only.
     Returns `(state, [metrics of each update])`, metrics left on the device.
     """
     if old_logp_BxT is None:
@@ -559,7 +566,7 @@ def train_on_rollout(
         None if ref_params is None else logprobs_fn(ref_params, rollout.tokens_BxT, rollout.mask_BxT)
     )
     with sharding.activate(mesh):
-        minis = _mini_batches(Batch(*rollout, old_logp_BxT, ref_logp_BxT), num_mini_batches)
+        minis = _mini_batches(Batch(*rollout, old_logp_BxT, ref_logp_BxT, is_weight_BxT), num_mini_batches)
     metrics = []
     for mini in minis:
         state, m = train_step(state, mini)

@@ -111,6 +111,15 @@ def test_out_of_range_value_is_named(key, value, message):
             "not pi_old of the trainer's float32 model: use 'recompute' or 'detached'",
         ),
         (
+            {"loss.old_logp": "sampler", "loss.rollout_is": "token"},
+            "loss.rollout_is / rollout_rs with loss.old_logp 'sampler': the correction weighs "
+            "pi_old / pi_sampler, 1 when pi_old is the sampler's: use loss.old_logp 'recompute'",
+        ),
+        (
+            {"loss.rollout_rs": "tokens"},
+            "config.loss: unknown rollout_rs 'tokens'; use one of ('', 'token', 'sequence', 'geometric')",
+        ),
+        (
             {"rollout.param_dtype": "int8"},
             "rollout.param_dtype 'int8' is not '' (the trainer's), 'float32' or 'bfloat16'",
         ),

@@ -184,6 +184,28 @@ def test_bfloat16_runs_end_to_end_with_the_detached_old_logp(tmp_path):
         assert 0 < r["rollout/logp_diff_mean"] < 0.1 and r["rollout/logp_diff_max"] < 1.0
 
 
+@pytest.mark.slow
+def test_mismatch_correction_runs_end_to_end_against_a_bf16_sampler(tmp_path):
+    """One step with a bf16 sampler and an f32 trainer, token IS and token rejection at a tight
+    threshold: the mismatch is measured (rollout_corr/*, verl's names), some tokens are rejected,
+    the truncated weights average near 1, and the updates are applied."""
+    config = small(
+        dapo.get_config("tiny"),
+        train__steps=1,
+        rollout__dtype="bfloat16",
+        loss__rollout_is="token",
+        loss__rollout_rs="token",
+        loss__rollout_rs_threshold=1.02,
+        checkpoint__every=10,
+    )
+    train.train(config, str(tmp_path))
+    (r,) = metrics.read_jsonl(str(tmp_path / metrics.JSONL))
+    assert r["actor/skipped_updates"] == 0 and r["actor/update_norm"] > 0
+    assert 0 < r["rollout_corr/rollout_rs_masked_fraction"] < 0.5
+    assert 0.9 < r["rollout_corr/rollout_is_mean"] < 1.1 and r["rollout_corr/rollout_is_max"] > 1.0
+    assert r["rollout_corr/k3_kl"] > 0
+
+
 def test_logp_agreement_measures_carried_groups_apart():
     """Rows 0-1 (a carried group) were sampled before the last update; rows 2-3 now. Prompt
     columns and masked response tokens never count."""

@@ -113,6 +113,30 @@ def test_gradient_accumulation_is_invariant(agg_mode):
     np.testing.assert_allclose(m1["loss"], loss, rtol=1e-5)
 
 
+def test_correction_weights_reach_every_micro_batch():
+    # IS weights in the batch split like its rows: 1 and 2 micro-batches give the pg_loss of the
+    # whole mini-batch weighted by them (objective.policy_loss on the step's own log-probs).
+    params = init(single_mesh())
+    batch = single_device_batch()
+    weight = np.random.default_rng(3).uniform(0.0, 2.0, batch.loss_mask_BxT.shape).astype(np.float32)
+    cfg = dataclasses.replace(loss_cfg(), rollout_is="token")
+    grads_of = jax.jit(
+        functools.partial(ts.loss_and_grads, MODEL, cfg), static_argnums=2, compiler_options=FAST_COMPILE
+    )
+    _, m1 = grads_of(params, batch._replace(is_weight_BxT=weight), 1)
+    _, m2 = grads_of(params, batch._replace(is_weight_BxT=weight), 2)
+    logp = jax.jit(
+        functools.partial(ts.compute_logprobs, MODEL, temperature=0.7, num_micro_batches=1),
+        compiler_options=FAST_COMPILE,
+    )(params, batch.tokens_BxT, batch.mask_BxT)
+    args = (logp, batch.old_logp_BxT, batch.adv_B, batch.loss_mask_BxT, cfg)
+    _, want = objective.policy_loss(*args, ref_logp_BxT=batch.ref_logp_BxT, is_weight_BxT=weight)
+    _, unweighted = objective.policy_loss(*args, ref_logp_BxT=batch.ref_logp_BxT)
+    assert abs(want["pg_loss"] - unweighted["pg_loss"]) > 1e-3  # the weights matter here
+    np.testing.assert_allclose(m1["pg_loss"], want["pg_loss"], rtol=1e-5)
+    np.testing.assert_allclose(m2["pg_loss"], want["pg_loss"], rtol=1e-5)
+
+
 def test_detached_old_logp_is_the_recomputed_one_and_measures_the_sampler():
     # One update per rollout: pi_old = pi_theta, so "detached" (r = 1 under stop_gradient) must
     # give the gradient of "recompute" with the recomputed log-probs, and reports its distance to
