@@ -30,7 +30,8 @@ setuptools.setup(
         # wandb and tensorboard (the viewer of the event files that tensorboardX writes) are
         # in the test extra so that the wandb writer's test runs and `tensorboard --logdir`
         # works in the project's virtualenv; ruff is the linter (ruff.toml); pytest-xdist runs
-        # the tests on every core (the suite is mostly single-threaded XLA compiles).
+        # the tests on every core (the suite is mostly single-threaded XLA compiles); gguf and
+        # accelerate are what transformers' GGUF loader needs (test_prepare_model writes a GGUF).
         "test": [
             "pytest>=8,<10",
             "pytest-xdist>=3.6,<4",
@@ -39,7 +40,12 @@ setuptools.setup(
             "wandb>=0.31,<1",
             "tensorboard>=2.21,<3",
             "ruff>=0.17,<0.18",
+            "gguf>=0.19,<0.20",
+            "accelerate>=1.16,<2",
         ],
+        # python -m dapo_jax.prepare_model: a GGUF file to a model folder (transformers de-quantizes
+        # it into a torch model: torch's CPU wheel is enough).
+        "gguf": ["gguf>=0.19,<0.20", "accelerate>=1.16,<2", "torch>=2.6"],
         "tracking": ["wandb>=0.31,<1", "tensorboard>=2.21,<3"],
         # gcsfs: etils.epath (metrics, events, plots, export, orbax's folders) opens gs:// with it.
         "gcs": ["gcsfs>=2024.2"],
