@@ -81,6 +81,11 @@ class DynamicSampler:
         return carried + sum(int(k.sum()) for k in self._kept_P)
 
     @property
+    def kept_P(self) -> np.ndarray:
+        """Which groups of this step's generation batches were kept so far, in order."""
+        return np.concatenate(self._kept_P) if self._kept_P else np.zeros(0, bool)
+
+    @property
     def full(self) -> bool:
         return self.num_kept >= self._P
 
@@ -148,7 +153,7 @@ class DynamicSampler:
         acc_PxG = (
             generated.acc_B.reshape(-1, self._G) if generated is not None else np.zeros((0, self._G), bool)
         )
-        kept_P = np.concatenate(self._kept_P) if self._kept_P else np.zeros(0, bool)
+        kept_P = self.kept_P
         n_groups = len(acc_PxG)
         fraction = lambda x: float(x.sum() / n_groups) if n_groups else float("nan")
         stats = {

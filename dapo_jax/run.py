@@ -22,6 +22,7 @@ from dapo_jax import (
     dynamic_sampling,
     hf_io,
     host_memory,
+    hosts,
     metrics,
     model,
     objective,
@@ -274,7 +275,7 @@ class Run:
     sampler: Sampler
     eval_sampler: Sampler
     rollout_weights: object  # trainer params -> the samplers' params (`sampler_weights`)
-    scorer: rewards.RewardScorer
+    scorer: hosts.SplitScorer  # a RewardScorer's rows split over the processes
     shaping: rollout.RewardShaping
     train_examples: list  # in load order; `data.PromptIterator` draws from them
     eval_examples: list
@@ -403,8 +404,8 @@ def build(c: ml_collections.ConfigDict, workdir: str) -> Run:
         eval_examples = eval_examples[: c.eval.max_problems]
     train_examples = _load_prompts(c.data.train_files, tokenizer, c, c.data.dedup)
     ref_params = hf_io.load_params(c.reference.path, m, mesh) if c.loss.beta > 0 else None
-    scorer = rewards.RewardScorer(
-        rewards.get_reward_fn(c.reward.fn), c.reward.timeout_s, c.reward.num_workers
+    scorer = hosts.SplitScorer(
+        rewards.RewardScorer(rewards.get_reward_fn(c.reward.fn), c.reward.timeout_s, c.reward.num_workers)
     )
     return Run(
         c,

@@ -49,6 +49,7 @@ from dapo_jax import (
     data,
     dynamic_sampling,
     hf_io,
+    hosts,
     hub,
     metrics,
     objective,
@@ -358,18 +359,25 @@ def _sample_train_batch(
             if filt.full or filt.bound_reached:
                 break
             rng = jax.random.fold_in(jax.random.fold_in(jax.random.key(c.seed), step), i)
-            filt.add(
-                rollout.generation_batch(
-                    run.sampler,
-                    params,
-                    prompts.next_batch(c.filter.gen_batch_prompts),
-                    c.rollout.group_size,
-                    rng,
-                    run.tokenizer,
-                    run.scorer,
-                    c.data.max_prompt_len,
-                    run.shaping,
-                )
+            batch = rollout.generation_batch(
+                run.sampler,
+                params,
+                prompts.next_batch(c.filter.gen_batch_prompts),
+                c.rollout.group_size,
+                rng,
+                run.tokenizer,
+                run.scorer,
+                c.data.max_prompt_len,
+                run.shaping,
+            )
+            filt.add(batch)
+            hosts.check_agreed(
+                f"step {step}, generation batch {i + 1}",
+                {
+                    "rewards": batch.reward_B,
+                    "kept groups": filt.kept_P,
+                    "generation-batch count": np.array([i + 1, filt.full, filt.bound_reached]),
+                },
             )
             progress.update()
     return filt.take()
@@ -665,6 +673,9 @@ def main(argv):
     except (ConfigError, CheckpointError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except hosts.HostDisagreement as e:  # every process raises it at the same check
+        print(f"error: process {jax.process_index()}: {e}", file=sys.stderr)
+        sys.exit(1)
     if jax.process_index() == 0:
         _report(_WORKDIR.value, summary)
 
