@@ -140,6 +140,32 @@ def causal_attention_mask(mask_BxT: jax.Array) -> jax.Array:
     return causal_TxT[None] & mask_BxT[:, None, :].astype(bool)
 
 
+def segment_positions(segment_BxT: jax.Array) -> jax.Array:
+    """Position ids of packed rows: t minus the first column of the segment (a run of one id
+    along the row, 0 for padding) that token t belongs to."""
+    t = segment_BxT.shape[-1]
+    cols_T = jnp.arange(t)
+    before_BxT = jnp.pad(segment_BxT[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+    first_BxT = jax.lax.cummax(jnp.where(segment_BxT != before_BxT, cols_T, 0), axis=1)
+    return cols_T - first_BxT
+
+
+def segment_attention_mask(segment_BxT: jax.Array) -> jax.Array:
+    """`attn_BxTxT` of packed rows: query t reads key s iff s <= t and both lie in the same
+    segment (padding, segment 0, reads and is read by nothing)."""
+    t = segment_BxT.shape[-1]
+    same_BxTxT = segment_BxT[:, :, None] == segment_BxT[:, None, :]
+    return jnp.tril(jnp.ones((t, t), bool))[None] & same_BxTxT & (segment_BxT[:, None, :] > 0)
+
+
+def teacher_forced_inputs(mask_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`(positions_BxT, attn_BxTxT)` of a trainer's pass: from a boolean mask of padded rows, or
+    from the int segment ids of packed rows (`dapo_jax.packing`)."""
+    if jnp.issubdtype(mask_BxT.dtype, jnp.integer):
+        return segment_positions(mask_BxT), segment_attention_mask(mask_BxT)
+    return positions_from_mask(mask_BxT), causal_attention_mask(mask_BxT)
+
+
 def rope_inverse_frequencies(config: ModelConfig) -> jax.Array:
     """theta^(-2i/d) for i < d/2, with Llama 3's frequency-dependent rescaling when configured."""
     dh = config.head_dim
@@ -492,21 +518,16 @@ class Transformer(nn.Module):
 
 
 def forward(model: Transformer, params, tokens_BxT, mask_BxT) -> jax.Array:
-    """Teacher-forced logits `logits_BxTxV` of a (left- or right-) padded batch, no cache."""
-    logits, _ = model.apply(
-        {"params": params}, tokens_BxT, positions_from_mask(mask_BxT), causal_attention_mask(mask_BxT)
-    )
+    """Teacher-forced logits `logits_BxTxV` of a (left- or right-) padded batch, or of packed
+    rows when `mask_BxT` holds segment ids (`teacher_forced_inputs`), no cache."""
+    logits, _ = model.apply({"params": params}, tokens_BxT, *teacher_forced_inputs(mask_BxT))
     return logits
 
 
 def forward_hidden(model: Transformer, params, tokens_BxT, mask_BxT) -> jax.Array:
     """Teacher-forced final hidden states `x_BxTxD` (what `lm_head` maps to the logits)."""
     x_BxTxD, _ = model.apply(
-        {"params": params},
-        tokens_BxT,
-        positions_from_mask(mask_BxT),
-        causal_attention_mask(mask_BxT),
-        hidden_only=True,
+        {"params": params}, tokens_BxT, *teacher_forced_inputs(mask_BxT), hidden_only=True
     )
     return x_BxTxD
 

@@ -99,17 +99,38 @@ class PolicyLossConfig:
             raise ValueError(f"dual-clip constant c must be > 1, got {self.clip_ratio_c}")
 
 
-def denominators(mask_BxT, agg_mode: str, norm_const: float | None = None) -> Denominators:
+def sequence_loss_tokens(mask_BxT, segment_BxT=None) -> jax.Array:
+    """`n_BxT`: the loss tokens of the response each token belongs to: its row's, or with
+    `segment_BxT` (packed rows, `dapo_jax.packing`) its segment's, a run of one id along the row."""
+    m_BxT = jnp.asarray(mask_BxT, jnp.float32)
+    if segment_BxT is None:
+        return jnp.broadcast_to(jnp.sum(m_BxT, axis=-1, keepdims=True), m_BxT.shape)
+    t = m_BxT.shape[-1]
+    cols_T = jnp.arange(t)
+    before_BxT = jnp.pad(segment_BxT[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+    after_BxT = jnp.pad(segment_BxT[:, 1:], ((0, 0), (0, 1)), constant_values=-1)
+    first_BxT = jax.lax.cummax(jnp.where(segment_BxT != before_BxT, cols_T, 0), axis=1)
+    last_BxT = jax.lax.cummin(jnp.where(segment_BxT != after_BxT, cols_T, t - 1), axis=1, reverse=True)
+    sum_BxT = jnp.cumsum(m_BxT, axis=1)  # the segment's count: a difference of running sums
+    at = lambda x_BxT, i_BxT: jnp.take_along_axis(x_BxT, i_BxT, axis=1)
+    return at(sum_BxT, last_BxT) - at(sum_BxT, first_BxT) + at(m_BxT, first_BxT)
+
+
+def denominators(mask_BxT, agg_mode: str, norm_const: float | None = None, segment_BxT=None) -> Denominators:
     """The denominators of `agg_mode` for the mini-batch whose loss mask is `mask_BxT`.
 
-    n_seqs counts the rows with at least one loss token, so rows masked out entirely (overlong
-    filtering, groups the dynamic-sampling filter left empty) weigh nothing. `norm_const` (L_const)
-    is used by 'seq-mean-token-sum-norm' only. An empty mini-batch gets denominators of 1 (loss 0).
+    n_seqs counts the responses with at least one loss token (rows; with `segment_BxT`, the
+    segments of packed rows), so rows masked out entirely (overlong filtering, groups the
+    dynamic-sampling filter left empty) weigh nothing. `norm_const` (L_const) is used by
+    'seq-mean-token-sum-norm' only. An empty mini-batch gets denominators of 1 (loss 0).
     """
     _check_agg_mode(agg_mode)
     m_BxT = jnp.asarray(mask_BxT, jnp.float32)
     tokens = jnp.sum(m_BxT)
-    n_seqs = jnp.sum(jnp.sum(m_BxT, axis=-1) > 0).astype(jnp.float32)
+    if segment_BxT is None:
+        n_seqs = jnp.sum(jnp.sum(m_BxT, axis=-1) > 0).astype(jnp.float32)
+    else:  # each response's tokens add up to 1
+        n_seqs = jnp.round(jnp.sum(m_BxT / jnp.maximum(sequence_loss_tokens(m_BxT, segment_BxT), 1.0)))
     if agg_mode == "token-mean":
         loss = tokens
     elif agg_mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
@@ -135,6 +156,7 @@ def policy_loss_sum(
     ref_logp_BxT=None,
     entropy_BxT=None,
     is_weight_BxT=None,
+    segment_BxT=None,
 ):
     """These rows' share of the mini-batch loss: sums over their tokens / the mini-batch's `denom`.
 
@@ -147,6 +169,8 @@ def policy_loss_sum(
     entropy_coef from `cfg` (its norm_const enters through `denom`).
     Aggregated with weights w_{i,t} = m_{i,t} (token-mean, seq-mean-token-sum[-norm]) or
     m_{i,t} / sum_t m_{i,t} (seq-mean-token-mean):  loss = sum_{i,t} w l / denom.loss.
+    Packed rows (`dapo_jax.packing`): `adv_B` per token (`_BxT`) and the responses the segments
+    of `segment_BxT` (sum_t then runs over a segment, `sequence_loss_tokens`).
 
     Zero-gradient tokens: upper clip (A > 0, r > 1 + ε_high), lower clip (A < 0, r < 1 - ε_low),
     dual clip (A < 0, r > c). Returns `(loss, metrics)`, metrics a dict of scalars: pg_loss
@@ -162,7 +186,8 @@ def policy_loss_sum(
         raise ValueError(f"entropy_coef = {entropy_coef} needs entropy_BxT")
     on_BxT = jnp.asarray(mask_BxT, bool)
     m_BxT = on_BxT.astype(jnp.float32)
-    a_Bx1 = jnp.asarray(adv_B, jnp.float32)[:, None]
+    a_Bx1 = jnp.asarray(adv_B, jnp.float32)  # (B x T for packed rows: A_i on each token)
+    a_Bx1 = a_Bx1 if a_Bx1.ndim == 2 else a_Bx1[:, None]
     # Masked entries are replaced, not multiplied by 0, so junk (even NaN) there cannot leak.
     log_ratio_BxT = jnp.clip(
         jnp.where(on_BxT, logp_BxT - old_logp_BxT, 0.0), -_LOG_RATIO_LIMIT, _LOG_RATIO_LIMIT
@@ -181,7 +206,7 @@ def policy_loss_sum(
 
     w_BxT = m_BxT
     if cfg.agg_mode == "seq-mean-token-mean":
-        w_BxT = m_BxT / jnp.maximum(jnp.sum(m_BxT, axis=-1, keepdims=True), 1.0)
+        w_BxT = m_BxT / jnp.maximum(sequence_loss_tokens(m_BxT, segment_BxT), 1.0)
     agg = lambda x_BxT: jnp.sum(jnp.where(on_BxT, w_BxT * x_BxT, 0.0)) / denom.loss
     token_mean = lambda x_BxT: jnp.sum(jnp.where(on_BxT, x_BxT, 0.0)) / denom.tokens
 
@@ -226,6 +251,7 @@ def policy_loss(
     ref_logp_BxT=None,
     entropy_BxT=None,
     is_weight_BxT=None,
+    segment_BxT=None,
 ):
     """The loss of one whole mini-batch: `policy_loss_sum` over its own `denominators`.
 
@@ -234,7 +260,7 @@ def policy_loss(
     mean_i sum_t l m;  seq-mean-token-sum-norm: sum_{i,t} l m / (n_seqs L_const) with
     L_const = `cfg.norm_const`. The means over i count rows with a loss token. Returns `(loss, metrics)`.
     """
-    denom = denominators(mask_BxT, cfg.agg_mode, cfg.norm_const)
+    denom = denominators(mask_BxT, cfg.agg_mode, cfg.norm_const, segment_BxT)
     return policy_loss_sum(
         logp_BxT,
         old_logp_BxT,
@@ -245,4 +271,5 @@ def policy_loss(
         ref_logp_BxT=ref_logp_BxT,
         entropy_BxT=entropy_BxT,
         is_weight_BxT=is_weight_BxT,
+        segment_BxT=segment_BxT,
     )

@@ -194,6 +194,8 @@ def _check_sizes(c: ml_collections.ConfigDict) -> None:
             f"train.train_batch_prompts {t.train_batch_prompts} is not a multiple "
             f"of train.mini_batch_prompts {t.mini_batch_prompts}"
         )
+    if t.pack and t.sort_micro_batches:
+        raise ConfigError("train.pack and train.sort_micro_batches both skip padding: set one of them")
     if (t.mini_batch_prompts * g) % t.micro_batch_size:
         raise ConfigError(
             f"a mini-batch of {t.mini_batch_prompts} x G={g} responses does not "
@@ -460,8 +462,10 @@ def samplers(c: ml_collections.ConfigDict, m: model.Transformer, mesh, tokenizer
 
 def update_fns(c: ml_collections.ConfigDict, m: model.Transformer, mesh):
     """`(optimizer, train_step, logprobs_fn)`: the compiled update of a mini-batch and the
-    log-prob pass of a rollout batch, over micro-batches of train.micro_batch_size rows, sorted
-    by length and cut to their own widths with train.sort_micro_batches."""
+    log-prob pass of a rollout batch, over micro-batches of train.micro_batch_size rows: padded
+    rows, or with train.pack packed rows (`dapo_jax.packing`; as many micro-batches as the
+    packing needs), or sorted by length and cut to their own widths with
+    train.sort_micro_batches."""
     optimizer, schedule = make_optimizer(c)
     loss_cfg, temperature, bucket = loss_config(c), c.rollout.temperature, c.train.length_bucket
     micro = lambda prompts: prompts * c.rollout.group_size // c.train.micro_batch_size
@@ -472,10 +476,11 @@ def update_fns(c: ml_collections.ConfigDict, m: model.Transformer, mesh):
             train_step.make_length_sorted_train_step(m, optimizer, schedule, loss_cfg, mesh, mini, bucket),
             train_step.make_length_sorted_logprobs(m, mesh, temperature, whole, bucket),
         )
+    rows = c.train.micro_batch_size if c.train.pack else 0
     return (
         optimizer,
-        train_step.make_train_step(m, optimizer, schedule, loss_cfg, mesh, mini),
-        train_step.make_compute_logprobs(m, mesh, temperature, whole),
+        train_step.make_train_step(m, optimizer, schedule, loss_cfg, mesh, mini, micro_rows=rows),
+        train_step.make_compute_logprobs(m, mesh, temperature, whole, micro_rows=rows),
     )
 
 

@@ -54,6 +54,7 @@ from dapo_jax import (
     metrics,
     objective,
     overrides,
+    packing,
     paths,
     rollout,
     rollout_correction,
@@ -404,21 +405,31 @@ def _step(
         not c.train.sort_micro_batches,
     )
     prompt_width = _prompt_width(batch, c.train.length_bucket)
-    device = train_step.Rollout(*(_to_device(x, run.mesh) for x in host))
+    k = c.train.train_batch_prompts // c.train.mini_batch_prompts
+    layout = packing.plan(host.mask_BxT, k, c.train.micro_batch_size) if c.train.pack else None
+    trained = (
+        host
+        if layout is None
+        else train_step.Rollout(*packing.pack_rows(layout, host.tokens_BxT, host.loss_mask_BxT, host.adv_B))
+    )
+    device = train_step.Rollout(*(_to_device(x, run.mesh) for x in trained))
+    sampler_logp = lambda: _to_device(
+        _arranged(layout, _sampler_logp(batch, prompt_width, host.tokens_BxT.shape[1])), run.mesh
+    )
     t1 = time.time()
     recompute = c.loss.old_logp == "recompute"
     if recompute:
         old_logp_BxT = run.logprobs_fn(state.params, device.tokens_BxT, device.mask_BxT)
     else:
-        old_logp_BxT = _to_device(_sampler_logp(batch, prompt_width, host.tokens_BxT.shape[1]), run.mesh)
-    device, is_weight_BxT, correction = _corrected(run, batch, prompt_width, device, old_logp_BxT)
+        old_logp_BxT = sampler_logp()
+    device, is_weight_BxT, correction = _corrected(run, sampler_logp, device, old_logp_BxT)
     state, updates = train_step.train_on_rollout(
         run.train_step,
         run.logprobs_fn,
         run.mesh,
         state,
         device,
-        c.train.train_batch_prompts // c.train.mini_batch_prompts,
+        k,
         run.ref_params,
         old_logp_BxT,
         is_weight_BxT,
@@ -429,7 +440,7 @@ def _step(
         agreement = _logp_agreement(
             batch.rows.logp_BxN,
             prompt_width,
-            sharding.to_host(old_logp_BxT),
+            _arranged(layout, sharding.to_host(old_logp_BxT), back=True),
             host.loss_mask_BxT,
             batch.carried_B,
         )
@@ -443,18 +454,25 @@ def _step(
 _correct = jax.jit(rollout_correction.correct, static_argnums=0)
 
 
-def _corrected(run: Run, batch: TrainBatch, prompt_width: int, device: train_step.Rollout, old_logp_BxT):
+def _arranged(layout: packing.Packing | None, x_BxT: np.ndarray, back: bool = False) -> np.ndarray:
+    """A host array of the padded rollout in the trained layout: packed rows with train.pack
+    (`back`: from them), else as it is."""
+    if layout is None:
+        return x_BxT
+    return packing.unpack(layout, x_BxT) if back else packing.pack(layout, x_BxT)
+
+
+def _corrected(run: Run, sampler_logp, device: train_step.Rollout, old_logp_BxT):
     """`(rollout, is_weight_BxT, metrics)` under loss.rollout_is / loss.rollout_rs: the rollout's
     loss mask with the rejected tokens out, the IS weights pi_old / pi_sampler (None without
     rollout_is) and the rollout_corr/* metrics (`rollout_correction.correct`); without a
-    correction the rollout unchanged, None and no metrics."""
+    correction the rollout unchanged, None and no metrics. `sampler_logp()`: the sampler's
+    log-probs on the device, in the trained layout."""
     cfg = loss_config(run.config)
     if not cfg.corrects:
         return device, None, {}
-    width = device.tokens_BxT.shape[1]
-    sampler_logp_BxT = _to_device(_sampler_logp(batch, prompt_width, width), run.mesh)
     with sharding.activate(run.mesh):
-        corr = _correct(cfg, old_logp_BxT, sampler_logp_BxT, device.loss_mask_BxT)
+        corr = _correct(cfg, old_logp_BxT, sampler_logp(), device.loss_mask_BxT)
     weight_BxT = corr.is_weight_BxT if cfg.rollout_is else None
     metrics = {k: float(v) for k, v in jax.device_get(corr.metrics).items()}
     return device._replace(loss_mask_BxT=corr.loss_mask_BxT), weight_BxT, metrics

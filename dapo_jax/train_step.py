@@ -148,10 +148,17 @@ def init_train_state(model, optimizer, mesh, params) -> TrainState:
         return jax.jit(init, in_shardings=(shardings.params,), out_shardings=shardings)(params)
 
 
-def batch_shardings(mesh, with_ref: bool, with_weight: bool = False) -> Batch:
+def batch_shardings(mesh, with_ref: bool, with_weight: bool = False, packed: bool = False) -> Batch:
     rows = lambda ndim: sharding.batch_sharding(mesh, ndim)
     maybe = lambda on: rows(2) if on else None
-    return Batch(rows(2), rows(2), rows(2), rows(1), rows(2), maybe(with_ref), maybe(with_weight))
+    adv = rows(2 if packed else 1)  # A_i per token on packed rows
+    return Batch(rows(2), rows(2), rows(2), adv, rows(2), maybe(with_ref), maybe(with_weight))
+
+
+def segments_of(mask_BxT):
+    """The segment ids of packed rows (an int `mask_BxT`, `dapo_jax.packing`), None for the
+    boolean mask of padded rows (each row one response)."""
+    return mask_BxT if jnp.issubdtype(mask_BxT.dtype, jnp.integer) else None
 
 
 def _split_micro(x, n: int):
@@ -223,9 +230,13 @@ def model_logp_and_entropy(model, params, tokens_BxT, mask_BxT, temperature: flo
     return shift(logp_BxT), shift(entropy_BxT)
 
 
-def compute_logprobs(model, params, tokens_BxT, mask_BxT, temperature: float, num_micro_batches: int):
+def compute_logprobs(
+    model, params, tokens_BxT, mask_BxT, temperature: float, num_micro_batches: int, micro_rows: int = 0
+):
     """log pi_params(token_t | tokens_<t) aligned with tokens (entry 0 and padding: don't care),
-    one forward per micro-batch (`lax.map`) to bound the memory of the logits."""
+    one forward per micro-batch (`lax.map`) to bound the memory of the logits; with
+    `micro_rows`, packed rows (segment ids for `mask_BxT`) in micro-batches of that many rows."""
+    num_micro_batches = _micro_count(tokens_BxT.shape[0], num_micro_batches, micro_rows)
 
     def one(micro):
         tokens_bxT, mask_bxT = micro
@@ -235,10 +246,14 @@ def compute_logprobs(model, params, tokens_BxT, mask_BxT, temperature: float, nu
     return _merge_micro(jax.lax.map(one, (split(tokens_BxT), split(mask_BxT))))
 
 
-def make_compute_logprobs(model, mesh, temperature: float, num_micro_batches: int):
+def make_compute_logprobs(model, mesh, temperature: float, num_micro_batches: int, micro_rows: int = 0):
     """`compute_logprobs` jitted on `mesh`: `fn(params, tokens_BxT, mask_BxT) -> logp_BxT`."""
     fn = functools.partial(
-        compute_logprobs, model, temperature=temperature, num_micro_batches=num_micro_batches
+        compute_logprobs,
+        model,
+        temperature=temperature,
+        num_micro_batches=num_micro_batches,
+        micro_rows=micro_rows,
     )
     rows = sharding.batch_sharding(mesh, 2)
     jitted = jax.jit(fn, in_shardings=(sharding.param_shardings(model, mesh), rows, rows), out_shardings=rows)
@@ -263,6 +278,7 @@ def micro_loss(model, loss_cfg: LossConfig, denom: objective.Denominators, param
         ref_logp_BxT=micro.ref_logp_BxT,
         entropy_BxT=entropy_bxT,
         is_weight_BxT=micro.is_weight_BxT,
+        segment_BxT=segments_of(micro.mask_BxT),
     )
     if c.old_logp != "recompute":
         diff = objective.logp_diff(logp_bxT, micro.old_logp_BxT, micro.loss_mask_BxT, denom)
@@ -285,7 +301,9 @@ def loss_and_grads(model, loss_cfg: LossConfig, params, batch: Batch, num_micro_
     (`jax.shard_map`) and one all-reduce sums the devices' gradients, where one program over the
     mesh all-reduces every micro-batch's (on 2 CPU devices a wait for the slower device each time).
     """
-    denom = objective.denominators(batch.loss_mask_BxT, loss_cfg.agg_mode, loss_cfg.norm_const)
+    denom = objective.denominators(
+        batch.loss_mask_BxT, loss_cfg.agg_mode, loss_cfg.norm_const, segments_of(batch.mask_BxT)
+    )
     accumulate = functools.partial(_accumulated_grads, model, loss_cfg, num_micro_batches)
     if mesh is not None:
         accumulate = _summed_over_devices(accumulate, mesh)
@@ -347,15 +365,30 @@ def apply_gradients(optimizer, schedule, state: TrainState, grads, metrics: dict
     return new_state, metrics
 
 
+def _micro_count(rows: int, num_micro_batches: int, micro_rows: int) -> int:
+    """The micro-batches of a batch of `rows`: `num_micro_batches`, or with `micro_rows` (packed
+    rows, whose count varies with the lengths) as many as hold `micro_rows` rows each."""
+    if not micro_rows:
+        return num_micro_batches
+    if rows % micro_rows:
+        raise ValueError(f"{rows} packed rows do not split into micro-batches of {micro_rows}")
+    return rows // micro_rows
+
+
 def _train_step(
-    model, optimizer, schedule, loss_cfg, num_micro_batches, mesh, state: TrainState, batch: Batch
+    model, optimizer, schedule, loss_cfg, num_micro_batches, micro_rows, mesh, state: TrainState, batch: Batch
 ):
-    grads, metrics = loss_and_grads(model, loss_cfg, state.params, batch, num_micro_batches, mesh)
+    n = _micro_count(batch.tokens_BxT.shape[0], num_micro_batches, micro_rows)
+    grads, metrics = loss_and_grads(model, loss_cfg, state.params, batch, n, mesh)
     return apply_gradients(optimizer, schedule, state, grads, metrics)
 
 
-def make_train_step(model, optimizer, schedule, loss_cfg: LossConfig, mesh, num_micro_batches: int):
+def make_train_step(
+    model, optimizer, schedule, loss_cfg: LossConfig, mesh, num_micro_batches: int, micro_rows: int = 0
+):
     """`train_step(state, batch) -> (state, metrics)`: one jit on `mesh`, the state donated.
+    With `micro_rows` the batch is packed rows (`dapo_jax.packing`: segment ids for its mask,
+    A_i per token), cut into micro-batches of `micro_rows` rows (one program per row count).
 
     metrics (replicated scalars): loss, pg_loss, pg_clipfrac_upper / _lower / _dual, approx_kl_old,
     kl_ref (β > 0), entropy, token_prob, loss_tokens, logp_diff_mean / _max (unless old_logp is
@@ -367,11 +400,19 @@ def make_train_step(model, optimizer, schedule, loss_cfg: LossConfig, mesh, num_
     state_sh = state_shardings(model, optimizer, mesh)
     per_device = sharding.splits_only_the_batch(mesh)  # the gradient of each device's rows apart
     step = functools.partial(
-        _train_step, model, optimizer, schedule, loss_cfg, num_micro_batches, mesh if per_device else None
+        _train_step,
+        model,
+        optimizer,
+        schedule,
+        loss_cfg,
+        num_micro_batches,
+        micro_rows,
+        mesh if per_device else None,
     )
+    batch_sh = batch_shardings(mesh, loss_cfg.beta > 0, bool(loss_cfg.rollout_is), packed=bool(micro_rows))
     jitted = jax.jit(
         step,
-        in_shardings=(state_sh, batch_shardings(mesh, loss_cfg.beta > 0, bool(loss_cfg.rollout_is))),
+        in_shardings=(state_sh, batch_sh),
         out_shardings=(state_sh, sharding.replicated(mesh)),
         donate_argnums=0,
     )
