@@ -124,13 +124,17 @@ def evaluate(
     """avg@n, pass@k and maj@k (k in `ks`, default n alone) over n = `samples` responses per
     held-out problem, with their standard errors, plus mean length.
     Every sample is appended to `sample_rows` when given (prompt, response, extracted answer,
-    ground truth, score, acc, length, truncated)."""
+    ground truth, score, acc, length, truncated).
+    Any number of problems and of samples: the problems go in chunks of `batch_prompts` (fewer
+    when there are fewer problems), the last one filled up with repeats of its last problem
+    (one compiled shape), whose rows are dropped; the sampler fills a chunk up to the mesh
+    (`sizes`) the same way."""
     records, lengths = [], []
-    chunks = [examples[i : i + batch_prompts] for i in range(0, len(examples), batch_prompts)]
+    size = min(batch_prompts, len(examples))
+    chunks = [examples[i : i + size] for i in range(0, len(examples), size)]
     for i, chunk in enumerate(tqdm.tqdm(chunks, desc="eval", leave=False, disable=None)):
-        if len(chunk) < batch_prompts:  # keep one compiled shape: pad with repeats, drop after
-            chunk = chunk + [chunk[-1]] * (batch_prompts - len(chunk))
-        n_real = len(examples[i * batch_prompts : (i + 1) * batch_prompts]) * samples
+        n_real = len(chunk) * samples
+        chunk = chunk + [chunk[-1]] * (size - len(chunk))
         out = sample_and_score(
             sampler, params, chunk, samples, jax.random.fold_in(rng, i), tokenizer, scorer, prompt_len
         )

@@ -30,6 +30,7 @@ from dapo_jax import (
     rewards,
     rollout,
     sharding,
+    sizes,
     train_step,
 )
 from dapo_jax.errors import ConfigError
@@ -116,12 +117,13 @@ def check_workdir(workdir: str) -> None:
             return
 
 
-def check_config(c: ml_collections.ConfigDict) -> None:
+def check_config(c: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
     """One-line errors for out-of-range values, missing paths, bad data files and inconsistent
-    sizes, before any compilation."""
+    sizes, before any compilation. The batch sizes are checked against `num_devices` devices
+    (default: this run's, after `c.cpu_devices` has split a CPU-only host)."""
     check_ranges(c)
     _check_paths(c)
-    _check_sizes(c)
+    _check_sizes(c, num_devices)
     if 0 < c.loss.clip_ratio_c <= 1:
         raise ConfigError(f"loss.clip_ratio_c must be 0 (off) or > 1, got {c.loss.clip_ratio_c}")
     if not hasattr(jax.checkpoint_policies, c.model.remat_policy):
@@ -174,8 +176,9 @@ def _check_paths(c: ml_collections.ConfigDict) -> None:
         data.check_data_file(f)
 
 
-def _check_sizes(c: ml_collections.ConfigDict) -> None:
-    """Prompt buckets, the overlong buffer and the batch sizes fit one another."""
+def _check_sizes(c: ml_collections.ConfigDict, num_devices: int | None) -> None:
+    """Prompt buckets, the overlong buffer and the batch sizes fit one another and the devices
+    (`sizes.check_batch_sizes`: what pads and what must divide)."""
     if not c.data.prompt_buckets or min(c.data.prompt_buckets) < 1:
         raise ConfigError(f"data.prompt_buckets must be positive lengths, got {tuple(c.data.prompt_buckets)}")
     if c.data.max_prompt_len > max(c.data.prompt_buckets):
@@ -188,19 +191,13 @@ def _check_sizes(c: ml_collections.ConfigDict) -> None:
             f"reward.overlong_buffer {c.reward.overlong_buffer} exceeds "
             f"rollout.max_new_tokens {c.rollout.max_new_tokens}"
         )
-    t, g = c.train, c.rollout.group_size
-    if t.train_batch_prompts % t.mini_batch_prompts:
-        raise ConfigError(
-            f"train.train_batch_prompts {t.train_batch_prompts} is not a multiple "
-            f"of train.mini_batch_prompts {t.mini_batch_prompts}"
-        )
+    t = c.train
     if t.pack and t.sort_micro_batches:
         raise ConfigError("train.pack and train.sort_micro_batches both skip padding: set one of them")
-    if (t.mini_batch_prompts * g) % t.micro_batch_size:
-        raise ConfigError(
-            f"a mini-batch of {t.mini_batch_prompts} x G={g} responses does not "
-            f"split into micro-batches of train.micro_batch_size {t.micro_batch_size}"
-        )
+    if num_devices is None:
+        sharding.use_cpu_devices(c.cpu_devices)
+        num_devices = jax.device_count()
+    sizes.check_batch_sizes(c, num_devices)
 
 
 def _check_old_logp(c: ml_collections.ConfigDict) -> None:

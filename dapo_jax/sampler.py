@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from dapo_jax import sharding
+from dapo_jax import sharding, sizes
 from dapo_jax.model import (
     KVCache,
     ModelConfig,
@@ -464,7 +464,8 @@ def _fit_bucket(prompt_PxL: np.ndarray, mask_PxL: np.ndarray, buckets: tuple[int
 def _loop_per_device(loop, mesh: Mesh, n: int):
     """`loop(params, prompt_PxL, mask_PxL, uids_P, rng)` run by each of the d data x fsdp devices
     of `mesh` on its P / d prompts, all their `n` rows (`jax.shard_map`; the weights replicated);
-    P filled up to a multiple of d with copies of the last prompt, whose rows are dropped."""
+    P filled up to a multiple of d (`sizes.padded_count`) with copies of the last prompt, whose
+    rows are dropped."""
     d = mesh.shape["data"] * mesh.shape["fsdp"]
     rows = PartitionSpec(("data", "fsdp"))
     loops = jax.shard_map(
@@ -477,11 +478,20 @@ def _loop_per_device(loop, mesh: Mesh, n: int):
 
     def fn(params, prompt_PxL, mask_PxL, uids_P, rng):
         p = prompt_PxL.shape[0]
-        fill = lambda x: jnp.concatenate([x, jnp.repeat(x[-1:], -p % d, axis=0)])
+        fill = lambda x: jnp.concatenate([x, jnp.repeat(x[-1:], sizes.padded_count(p, d) - p, axis=0)])
         out = loops(params, fill(prompt_PxL), fill(mask_PxL), fill(uids_P), rng)
         return jax.tree.map(lambda x: x[: p * n], out)
 
     return fn
+
+
+def _fitted_call(fn, params, prompt_PxL, mask_PxL, uids_P, rng, n: int, devices: int) -> dict:
+    """`fn`'s P x n rows, `fn` called on the prompts filled up to a count whose rows split over
+    `devices` (`sizes.padded_count`, copies of the last prompt) and the fill's rows dropped."""
+    p = prompt_PxL.shape[0]
+    fit = sizes.padded_count(p, devices, n)
+    out = fn(params, *(sizes.pad_rows(x, fit) for x in (prompt_PxL, mask_PxL, uids_P)), rng)
+    return out if fit == p else jax.tree.map(lambda x: x[: p * n], out)
 
 
 class Sampler:
@@ -498,11 +508,7 @@ class Sampler:
         self.num_traces = 0
         self._param_shardings = sharding.param_shardings(model, mesh)
         self._data_size = mesh.shape["data"] * mesh.shape["fsdp"]
-        if config.decode_slots % self._data_size:
-            raise ValueError(
-                f"decode_slots = {config.decode_slots} do not divide over the {self._data_size} "
-                "devices of the data x fsdp mesh axes"
-            )
+        sizes.check_decode_slots(config.decode_slots, self._data_size)
         self._per_device = sharding.splits_only_the_batch(mesh)  # module docstring, Devices
         self._jitted = {}  # n -> jitted rollout
 
@@ -531,28 +537,21 @@ class Sampler:
     def generate(self, params, prompt_PxL, mask_PxL, n: int, rng, uids_P=None) -> dict:
         """`n` completions of each left-padded prompt: a dict of B = P*n rows (row p*n + g), sharded
         over the data axes: `tokens` (BxN int32), `logp` (BxN f32), `mask` (BxN bool), `length` (B),
-        `truncated` (B). `uids_P` (default 0..P-1) seed each prompt's rows with its own key."""
+        `truncated` (B). `uids_P` (default 0..P-1) seed each prompt's rows with its own key.
+        Any P and n: prompts whose rows do not split over the data x fsdp devices are filled up to
+        a count that does (`sizes.padded_count`) with copies of the last one, whose rows are
+        dropped (the rows then come back replicated)."""
         p = prompt_PxL.shape[0]
-        if (p * n) % self._data_size:
-            raise ValueError(
-                f"P*n = {p * n} rows do not divide over the {self._data_size} devices "
-                "of the data x fsdp mesh axes"
-            )
         uids_P = np.arange(p, dtype=np.int32) if uids_P is None else np.asarray(uids_P, np.int32)
         prompt_PxL, mask_PxL = _fit_bucket(
             prompt_PxL, mask_PxL, self.config.prompt_buckets, self.config.pad_id
         )
         m = self.micro_batch_prompts or p
-        if m < p and (m * n) % self._data_size:
-            raise ValueError(
-                f"rollout micro-batches of {m} prompts x n = {n} rows do not divide "
-                f"over the {self._data_size} devices of the data x fsdp mesh axes"
-            )
         outs = []
         fn = self._rollout_fn(n)
         # a device's own loop has no logical constraints to apply (the mesh is all manual there)
         with contextlib.nullcontext() if self._per_device else sharding.activate(self.mesh):
             for i in range(0, p, m):  # each row's samples depend on its uid only, not on m
-                part = slice(i, i + m)
-                outs.append(fn(params, prompt_PxL[part], mask_PxL[part], uids_P[part], rng))
+                part = [x[i : i + m] for x in (prompt_PxL, mask_PxL, uids_P)]
+                outs.append(_fitted_call(fn, params, *part, rng, n, self._data_size))
         return outs[0] if len(outs) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs), *outs)
