@@ -6,7 +6,8 @@ head. Parameter names mirror Hugging Face's so that `hf_io` maps them one to one
 and the main activations carry logical axis names (`sharding.RULES` maps them onto the mesh). The
 model knows nothing of RL.
 
-Attention takes an explicit boolean mask `attn_BxTxS` (query t may read key slot s). Without a cache
+Attention takes an explicit boolean mask `attn_BxTxS` (query t may read key slot s), or in the
+trainer's pass over packed rows their `segment_attention.SegmentIds`. Without a cache
 the keys are the T input tokens (S = T): the trainer's teacher-forced pass. With a cache (`KVCache`,
 one per layer) row b's T new keys and values are written at its slot `cache_index_B[b]` (a scalar:
 every row's) and the queries read all S cache slots: `grouped_attention` for a prefill (T > 1),
@@ -23,6 +24,8 @@ from typing import NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from dapo_jax.segment_attention import SegmentIds, blocked_attention
 
 _NEG_INF = -1e30  # finite, so that a fully masked (padding) query row stays NaN-free
 
@@ -158,11 +161,11 @@ def segment_attention_mask(segment_BxT: jax.Array) -> jax.Array:
     return jnp.tril(jnp.ones((t, t), bool))[None] & same_BxTxT & (segment_BxT[:, None, :] > 0)
 
 
-def teacher_forced_inputs(mask_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """`(positions_BxT, attn_BxTxT)` of a trainer's pass: from a boolean mask of padded rows, or
-    from the int segment ids of packed rows (`dapo_jax.packing`)."""
+def teacher_forced_inputs(mask_BxT: jax.Array) -> tuple[jax.Array, jax.Array | SegmentIds]:
+    """`(positions_BxT, attention mask)` of a trainer's pass: `attn_BxTxT` of a boolean mask of
+    padded rows, or the `SegmentIds` of packed rows (`dapo_jax.packing`) given as int ids."""
     if jnp.issubdtype(mask_BxT.dtype, jnp.integer):
-        return segment_positions(mask_BxT), segment_attention_mask(mask_BxT)
+        return segment_positions(mask_BxT), SegmentIds(mask_BxT)
     return positions_from_mask(mask_BxT), causal_attention_mask(mask_BxT)
 
 
@@ -374,7 +377,15 @@ class Attention(nn.Module):
         v_BxKxTxH = val.reshape(b, t, k, h).transpose(0, 2, 1, 3)
         q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, k, n // k, h)
         dtype, chunk = c.compute_dtype, c.attention_chunk
-        if cache is None:
+        if isinstance(attn_BxTxS, SegmentIds):  # packed rows: blocks across segments skipped
+            kT_BxKxHxT, seg_BxT = k_BxKxTxH.swapaxes(2, 3), attn_BxTxS.segment_BxT
+            if chunk and t > chunk:
+                out = blocked_attention(q_BxTxKxGxH, kT_BxKxHxT, v_BxKxTxH, seg_BxT, dtype, chunk)
+            else:
+                out = grouped_attention(
+                    q_BxTxKxGxH, kT_BxKxHxT, v_BxKxTxH, segment_attention_mask(seg_BxT), dtype
+                )
+        elif cache is None:
             kT_BxKxHxT = k_BxKxTxH.swapaxes(2, 3)
             # memory first with remat (one block at a time), else fewer FLOPs (causal prefixes)
             out = chunked_attention(

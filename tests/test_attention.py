@@ -126,3 +126,45 @@ def test_rope_tables_are_the_angles_cos_and_sin_and_nan_past_the_bound():
     np.testing.assert_allclose(np.asarray(rope.sin)[inside], np.sin(angles)[inside], atol=1e-6)
     assert rope.cos.shape == (2, 4, 1, CONFIG.head_dim // 2)
     assert np.isnan(np.asarray(rope.cos)[~inside]).all() and np.isnan(np.asarray(rope.sin)[~inside]).all()
+
+
+def _packed_rows():
+    """Two packed rows of 20 columns: segments of 7, 5 and 8 tokens; of 3 and 9, then padding."""
+    seg = np.array([[1] * 7 + [2] * 5 + [3] * 8, [1] * 3 + [2] * 9 + [0] * 8], np.int32)
+    tokens = np.where(seg > 0, np.random.default_rng(1).integers(1, 96, seg.shape), 0).astype(np.int32)
+    return tokens, seg
+
+
+@pytest.mark.parametrize("remat", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_segment_blocks_equal_masked_attention_and_separate_rows(params, remat):
+    tokens, seg = _packed_rows()
+    real = seg > 0
+    whole, blocked = _with_chunk(0, remat), _with_chunk(4, remat)  # dense segment mask; blocks of 4
+    logits = [jax.jit(lambda p, m=m: model.forward(m, p, tokens, seg))(params) for m in (whole, blocked)]
+    np.testing.assert_allclose(logits[1][real], logits[0][real], atol=1e-5)
+    # each segment alone, as a row of its own, gives the same logits (positions restart)
+    alone = jax.jit(lambda p, t: model.forward(whole, p, t, np.ones(t.shape, bool)))(params, tokens[:1, 7:12])
+    np.testing.assert_allclose(logits[1][0, 7:12], alone[0], atol=1e-5)
+    grads = [jax.jit(jax.grad(_loss(m, tokens, real)))(params) for m in (whole, blocked)]
+    for g0, g1 in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
+        np.testing.assert_allclose(g1, g0, atol=1e-5, rtol=1e-4)
+    assert max(float(np.abs(g).max()) for g in jax.tree.leaves(grads[0])) > 1e-2
+
+
+def test_needed_blocks_by_hand():
+    from dapo_jax.segment_attention import needed_blocks
+
+    # blocks of 4 columns: row 0 [1111] [1112] [2222] [3333] [3333], row 1 [1112] [2222] [2222]
+    # and two of padding
+    _, seg = _packed_rows()
+    want = np.array(
+        [
+            [1, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0],  # both rows: segments 1 and 2 began in blocks 0 and 1
+            [1, 1, 1, 0, 0],  # row 1: block 2 is segment 2, which began in block 0
+            [0, 0, 0, 1, 0],  # row 0: segment 3 begins at block 3; row 1: padding
+            [0, 0, 0, 1, 1],
+        ],
+        bool,
+    )
+    np.testing.assert_array_equal(needed_blocks(seg, 4), want)
