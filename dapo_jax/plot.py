@@ -1,7 +1,8 @@
 """Curves of one or several runs: `python -m dapo_jax.plot WORKDIR [WORKDIR ...] --out DIR`.
 
 Reads each workdir's metrics.jsonl and writes one PNG per panel (accuracy / reward, entropy, mean
-response length, mean token probability, and the held-out accuracy when evaluated), runs overlaid
+response length, mean token probability, the upper and lower clip fractions, the fraction of groups
+dynamic sampling kept, and the held-out accuracy when evaluated), runs overlaid
 for comparison, plus `curves.png` with every panel.
 """
 
@@ -22,6 +23,8 @@ PANELS = (
     ("entropy", ("actor/entropy",), "entropy (nats/token)"),
     ("length", ("before_filter/length_mean",), "mean response length (tokens)"),
     ("token_prob", ("actor/token_prob",), "mean token probability"),
+    ("clip", ("actor/pg_clipfrac_upper", "actor/pg_clipfrac_lower"), "clipped token fraction (upper, lower)"),
+    ("kept", ("dynamic_sampling/kept_fraction",), "groups kept by dynamic sampling"),
     ("eval", ("eval/avg@",), "held-out accuracy (avg@k)"),
 )
 
@@ -57,7 +60,11 @@ def plot_runs(workdirs: list[str], out_dir: str) -> list[str]:
     out = paths.run_path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    fig_all, axes_all = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 3.6))
+    cols = -(-len(PANELS) // 2)
+    fig_all, axes_all = plt.subplots(2, cols, figsize=(5 * cols, 7.2))
+    axes_all = axes_all.ravel()
+    for unused in axes_all[len(PANELS) :]:
+        unused.axis("off")
     for (name, keys, title), ax_all in zip(PANELS, axes_all):
         fig, ax = plt.subplots(figsize=(5, 3.6))
         for axis in (ax, ax_all):

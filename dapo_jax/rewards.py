@@ -9,6 +9,10 @@ Score of one response o_i against its ground truth:
                pred_i = the normalised prediction. Held-out numbers (eval/*) use it too.
   math_verify: the same extraction, equivalence decided by the optional `math-verify` package
                (symbolic: "1/2" equals "0.5"); not the paper's scorer, an option.
+  last_number: the last number in the last 300 characters (lm-evaluation-harness's GSM8K
+               "flexible-extract"), equal in value to an integer ground truth; for small
+               instruct models that answer "17 + 25 = 42." and never write an "Answer:" line
+               (an "Answer: 42" line ends in its number, so it scores the same).
 
 A reward plug-in (`reward.fn = "module:function"` or `"path/to/file.py:function"`, `RewardPlugin`)
 is a user's function fn(response, ground_truth, *, data_source, extra_info) returning a float
@@ -172,6 +176,24 @@ def math_verify_score(response_text: str, ground_truth: str) -> dict:
     return {"score": 1.0 if acc else -1.0, "acc": acc, "pred": normalize_final_answer(raw)}
 
 
+_NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def last_number_score(response_text: str, ground_truth: str) -> dict:
+    """{"score": ±1.0, "acc": bool, "pred": the last number of the response's last TAIL_CHARS
+    characters, commas dropped, or INVALID}; acc when it equals the ground truth as a number
+    ("42", "42.0" and "42," all equal "42"; "-3" is not "3")."""
+    numbers = _NUMBER_RE.findall(response_text[-TAIL_CHARS:])
+    if not numbers:
+        return {"score": -1.0, "acc": False, "pred": INVALID}
+    pred = numbers[-1].replace(",", "")
+    try:
+        acc = float(pred) == float(ground_truth.replace(",", "").strip())
+    except ValueError:  # a ground truth that is not a number
+        acc = False
+    return {"score": 1.0 if acc else -1.0, "acc": acc, "pred": pred}
+
+
 def _import_math_verify():
     try:
         return importlib.import_module("math_verify")
@@ -179,7 +201,11 @@ def _import_math_verify():
         raise ImportError("reward fn 'math_verify' needs an optional package: pip install math-verify") from e
 
 
-REWARD_FNS = {"math_dapo": math_dapo_score, "math_verify": math_verify_score}
+REWARD_FNS = {
+    "math_dapo": math_dapo_score,
+    "math_verify": math_verify_score,
+    "last_number": last_number_score,
+}
 
 
 class RewardPlugin:

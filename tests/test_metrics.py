@@ -76,6 +76,8 @@ def test_plot_writes_one_png_per_panel_for_several_runs(tmp_path):
                     "actor/entropy": 1.0,
                     "before_filter/length_mean": 20.0,
                     "actor/token_prob": 0.5,
+                    "actor/pg_clipfrac_upper": 0.01,
+                    "dynamic_sampling/kept_fraction": 0.75,
                 },
             )
         w.close()
@@ -85,6 +87,8 @@ def test_plot_writes_one_png_per_panel_for_several_runs(tmp_path):
         "entropy.png",
         "length.png",
         "token_prob.png",
+        "clip.png",
+        "kept.png",
         "eval.png",
         "curves.png",
     }

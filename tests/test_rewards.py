@@ -189,8 +189,32 @@ def test_math_dapo_score(response, ground_truth, acc, pred):
     assert result == {"score": 1.0 if acc else -1.0, "acc": acc, "pred": pred}
 
 
+# (response, ground truth, acc, pred): the last number of the tail, by hand
+LAST_NUMBER_CASES = [
+    ("17 + 25 = 42.", "42", True, "42"),
+    ("17 + 25 = 32.", "42", False, "32"),
+    ("The answer is 1,234 apples", "1234", True, "1234"),
+    ("Answer: 42\n", "42", True, "42"),
+    ("He has -3 left.", "-3", True, "-3"),
+    ("He has -3 left.", "3", False, "-3"),
+    ("12 - 15 = 3", "-3", False, "3"),
+    ("It is 42.0", "42", True, "42.0"),
+    ("42 is it, after 7 tries", "42", False, "7"),
+    ("no number here", "5", False, rewards.INVALID),
+    ("x" * 400 + " 42 " + "y" * 300, "42", False, rewards.INVALID),  # outside the last 300 characters
+    ("3", "three", False, "3"),
+]
+
+
+@pytest.mark.parametrize("response,ground_truth,acc,pred", LAST_NUMBER_CASES)
+def test_last_number_score(response, ground_truth, acc, pred):
+    result = rewards.last_number_score(response, ground_truth)
+    assert result == {"score": 1.0 if acc else -1.0, "acc": acc, "pred": pred}
+
+
 def test_registry_by_name():
     assert rewards.get_reward_fn("math_dapo") is rewards.math_dapo_score
+    assert rewards.get_reward_fn("last_number") is rewards.last_number_score
     with pytest.raises(ValueError, match="math_dapo"):
         rewards.get_reward_fn("no_such_reward")
 

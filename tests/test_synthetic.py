@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import pyarrow.parquet as pq
 import pytest
@@ -106,3 +107,30 @@ def test_shipped_files_match_the_documented_command(tmp_path):
     for name, rows in (("train", train), ("test", test)):
         shipped = pq.read_table(os.path.join(REPO, "data", "synthetic", f"{name}.parquet"))
         assert shipped.to_pylist() == rows
+
+
+def test_word_problems_tell_the_same_chain_and_never_go_negative():
+    rows = synthetic.generate(300, seed=3, min_operands=2, max_operands=5, max_operand=30, style="word")
+    assert rows == synthetic.generate(
+        300, seed=3, min_operands=2, max_operands=5, max_operand=30, style="word"
+    )
+    for row in rows:
+        problem, expression = row["prompt"][0]["content"], row["extra_info"]["expression"]
+        chain = expression[len("Compute ") : -1]
+        assert row["reward_model"]["ground_truth"] == str(eval(chain))
+        numbers = [int(x) for x in chain.replace("-", "+").split("+")]
+        assert [int(w) for w in problem.replace(".", " ").split() if w.isdigit()] == numbers  # in order
+        totals = [eval(chain[: m.start()]) for m in re.finditer(r"[+-]", chain)] + [eval(chain)]
+        assert min(totals) >= 0
+        assert (
+            problem.endswith("have now?")
+            and sum(problem.count(s) for s in (" more.", " away.", " loses ", " uses ")) == len(numbers) - 1
+        )
+    with pytest.raises(ValueError, match="word"):
+        synthetic.generate(5, seed=0, ops="+*", style="word")
+
+
+def test_word_splits_share_no_arithmetic():
+    train, test = synthetic.make_splits(400, 100, seed=0, max_operands=2, max_operand=12, style="word")
+    chains = lambda rows: {r["extra_info"]["expression"] for r in rows}
+    assert len(chains(test)) > 50 and not chains(train) & chains(test)
