@@ -86,7 +86,6 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
         mini_batch_prompts=32,  # 32 x 16 = 512 responses: 16 updates per step
         micro_batch_size=16,  # responses per micro-batch: at 32, 0.5 GiB past v5p's HBM
         length_bucket=2048,  # train on responses cut to a multiple of this length
-        sort_micro_batches=False,  # see tiny(); the AOT figures are of the one-program step
         pack=False,  # see tiny()
         max_consecutive_nonfinite=5,  # stop (with a checkpoint) after this many skipped updates
     )
@@ -200,10 +199,6 @@ def tiny() -> ml_collections.ConfigDict:
         # activations held for the backward.
         micro_batch_size=16,
         length_bucket=16,  # train on responses cut to a multiple of this length
-        # Rows sorted by length into micro-batches, each cut to its own width (a multiple of
-        # length_bucket): the padding trained follows each micro-batch's longest row, not the
-        # mini-batch's; one gradient program per width (train_step.make_length_sorted_train_step).
-        sort_micro_batches=False,
         # Responses (with their prompts) packed into rows of the batch's width, micro-batches of
         # micro_batch_size packed rows (dapo_jax.packing): the padding is not trained at all.
         pack=False,

@@ -34,7 +34,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from dapo_jax import hf_io, model, run, sampler, sharding, train_step
+from dapo_jax import hf_io, model, packing, run, sampler, sharding, train_step
 from dapo_jax.errors import ConfigError
 
 GIB = 2**30
@@ -344,7 +344,65 @@ def _rollout(m, c, mesh, shapes: Shapes):
     return _on_mesh(mesh, lambda: fn.lower(*args)), flops
 
 
-PROGRAMS = {"train": _train, "logprobs": _logprobs, "prefill": _prefill, "rollout": _rollout}
+def dapo_lengths(rows: int, prompt_len: int, new_tokens: int, seed: int = 0) -> np.ndarray:
+    """Real tokens (prompt + response) of `rows` synthetic rows at DAPO's length distribution:
+    4% of responses at L_max, the others exponential with mean 0.17 L_max (below L_max), a mean
+    response of ~0.2 L_max (4.1k of 20,480); prompts uniform in [L / 16, L / 8] of the longest
+    prompt bucket L (DAPO-Math's prompts: a few hundred tokens of 2,048)."""
+    rng = np.random.default_rng(seed)
+    response_B = np.minimum(rng.exponential(0.17 * new_tokens, rows).astype(int) + 1, new_tokens - 1)
+    response_B[rng.random(rows) < 0.04] = new_tokens
+    return rng.integers(prompt_len // 16, prompt_len // 8 + 1, rows) + response_B
+
+
+def packed_shapes(c, shapes: Shapes) -> tuple[int, int]:
+    """`(train rows, log-prob rows)` of the packed programs (train.pack) on `dapo_lengths`."""
+    lengths = dapo_lengths(shapes.logprob_rows, shapes.prompt_len, shapes.new_tokens)
+    micro, k = c.train.micro_batch_size, shapes.logprob_rows // shapes.train_rows
+    train = packing.packed_rows(lengths[: shapes.train_rows], shapes.length, 1, micro)
+    return train, k * packing.packed_rows(lengths, shapes.length, k, micro)
+
+
+def _train_packed(m, c, mesh, shapes: Shapes):
+    """The update of a packed mini-batch (train.pack) of `dapo_lengths`."""
+    optimizer, schedule = run.make_optimizer(c)
+    step = train_step.make_train_step(
+        m, optimizer, schedule, run.loss_config(c), mesh, 0, micro_rows=c.train.micro_batch_size
+    )
+    abstract = jax.eval_shape(
+        lambda p: train_step.TrainState(jnp.zeros((), jnp.int32), p, optimizer.init(p)),
+        sharding.abstract_params(m),
+    )
+    state = _abstract(abstract, train_step.state_shardings(m, optimizer, mesh))
+    ut = (packed_shapes(c, shapes)[0], shapes.length)
+    batch = train_step.Batch(
+        *(_rows(mesh, ut, dtype) for dtype in (jnp.int32, jnp.int32, bool, jnp.float32, jnp.float32)), None
+    )
+    passes = 4 if m.config.remat else 3
+    print(f"train_packed: {ut[0]} packed rows of {ut[1]} for {shapes.train_rows} responses", flush=True)
+    return lambda: step.lower(state, batch), passes * model_flops(m.config, math.prod(ut), shapes.length / 2)
+
+
+def _logprobs_packed(m, c, mesh, shapes: Shapes):
+    """The log-prob pass of a packed rollout batch (train.pack) of `dapo_lengths`."""
+    fn = train_step.make_compute_logprobs(
+        m, mesh, c.rollout.temperature, 0, micro_rows=c.train.micro_batch_size
+    )
+    ut = (packed_shapes(c, shapes)[1], shapes.length)
+    print(f"logprobs_packed: {ut[0]} packed rows of {ut[1]} for {shapes.logprob_rows} responses", flush=True)
+    flops = model_flops(m.config, math.prod(ut), shapes.length / 2)
+    rows = _rows(mesh, ut, jnp.int32)
+    return (lambda: fn.lower(_params(m, mesh), rows, rows), flops)
+
+
+PROGRAMS = {
+    "train": _train,
+    "logprobs": _logprobs,
+    "train_packed": _train_packed,
+    "logprobs_packed": _logprobs_packed,
+    "prefill": _prefill,
+    "rollout": _rollout,
+}
 
 
 def _decode_step_bytes(cfg: model.ModelConfig, mesh, rows: int, slots: int, dtype) -> float:

@@ -380,7 +380,7 @@ class Attention(nn.Module):
         if isinstance(attn_BxTxS, SegmentIds):  # packed rows: blocks across segments skipped
             kT_BxKxHxT, seg_BxT = k_BxKxTxH.swapaxes(2, 3), attn_BxTxS.segment_BxT
             if chunk and t > chunk:
-                out = blocked_attention(q_BxTxKxGxH, kT_BxKxHxT, v_BxKxTxH, seg_BxT, dtype, chunk)
+                out = blocked_attention(q_BxTxKxGxH, kT_BxKxHxT, v_BxKxTxH, seg_BxT, dtype, chunk, c.remat)
             else:
                 out = grouped_attention(
                     q_BxTxKxGxH, kT_BxKxHxT, v_BxKxTxH, segment_attention_mask(seg_BxT), dtype

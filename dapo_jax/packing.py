@@ -68,19 +68,32 @@ def first_fit_decreasing(length_B, width: int) -> tuple[np.ndarray, np.ndarray, 
     return row_B, start_B, max(len(used), 1)
 
 
+def _mini_batch_packings(length_B, width: int, num_mini_batches: int, rows_multiple: int):
+    """`(first_fit_decreasing of each mini-batch, U)`: U the most rows any of them needs,
+    rounded up to a multiple of `rows_multiple`."""
+    if len(length_B) % num_mini_batches:
+        raise ValueError(
+            f"rollout of {len(length_B)} rows does not split into {num_mini_batches} mini-batches"
+        )
+    size = len(length_B) // num_mini_batches
+    parts = [
+        first_fit_decreasing(length_B[i * size : (i + 1) * size], width) for i in range(num_mini_batches)
+    ]
+    return parts, -(-max(p[2] for p in parts) // rows_multiple) * rows_multiple
+
+
+def packed_rows(length_B, width: int, num_mini_batches: int, rows_multiple: int) -> int:
+    """U, the packed rows of each mini-batch of responses (with prompts) of `length_B` tokens."""
+    return _mini_batch_packings(np.asarray(length_B), width, num_mini_batches, rows_multiple)[1]
+
+
 def plan(mask_BxT, num_mini_batches: int, rows_multiple: int) -> Packing:
     """The packing of a rollout's k = `num_mini_batches` contiguous mini-batches, each packed
     apart into U rows (the most any of them needs, rounded up to a multiple of `rows_multiple`);
     `row_B` counts from mini-batch i's first packed row, i U."""
     first_B, length_B = real_spans(mask_BxT)
-    b, width = np.shape(mask_BxT)
-    if b % num_mini_batches:
-        raise ValueError(f"rollout of {b} rows does not split into {num_mini_batches} mini-batches")
-    size = b // num_mini_batches
-    parts = [
-        first_fit_decreasing(length_B[i * size : (i + 1) * size], width) for i in range(num_mini_batches)
-    ]
-    rows = -(-max(p[2] for p in parts) // rows_multiple) * rows_multiple
+    width = np.shape(mask_BxT)[1]
+    parts, rows = _mini_batch_packings(length_B, width, num_mini_batches, rows_multiple)
     row_B = np.concatenate([p[0] + i * rows for i, p in enumerate(parts)])
     start_B = np.concatenate([p[1] for p in parts])
     return Packing(row_B, start_B, first_B, length_B, rows * num_mini_batches, width)

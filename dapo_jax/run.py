@@ -191,9 +191,6 @@ def _check_sizes(c: ml_collections.ConfigDict, num_devices: int | None) -> None:
             f"reward.overlong_buffer {c.reward.overlong_buffer} exceeds "
             f"rollout.max_new_tokens {c.rollout.max_new_tokens}"
         )
-    t = c.train
-    if t.pack and t.sort_micro_batches:
-        raise ConfigError("train.pack and train.sort_micro_batches both skip padding: set one of them")
     if num_devices is None:
         sharding.use_cpu_devices(c.cpu_devices)
         num_devices = jax.device_count()
@@ -461,18 +458,11 @@ def update_fns(c: ml_collections.ConfigDict, m: model.Transformer, mesh):
     """`(optimizer, train_step, logprobs_fn)`: the compiled update of a mini-batch and the
     log-prob pass of a rollout batch, over micro-batches of train.micro_batch_size rows: padded
     rows, or with train.pack packed rows (`dapo_jax.packing`; as many micro-batches as the
-    packing needs), or sorted by length and cut to their own widths with
-    train.sort_micro_batches."""
+    packing needs)."""
     optimizer, schedule = make_optimizer(c)
-    loss_cfg, temperature, bucket = loss_config(c), c.rollout.temperature, c.train.length_bucket
+    loss_cfg, temperature = loss_config(c), c.rollout.temperature
     micro = lambda prompts: prompts * c.rollout.group_size // c.train.micro_batch_size
     mini, whole = micro(c.train.mini_batch_prompts), micro(c.train.train_batch_prompts)
-    if c.train.sort_micro_batches:
-        return (
-            optimizer,
-            train_step.make_length_sorted_train_step(m, optimizer, schedule, loss_cfg, mesh, mini, bucket),
-            train_step.make_length_sorted_logprobs(m, mesh, temperature, whole, bucket),
-        )
     rows = c.train.micro_batch_size if c.train.pack else 0
     return (
         optimizer,

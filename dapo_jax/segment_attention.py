@@ -15,6 +15,7 @@ in the backward pass, skipping the same blocks.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -36,7 +37,7 @@ def _grouped(q_BxCxKxGxH):
     return q_BxCxKxGxH.transpose(0, 2, 3, 1, 4).reshape(b * k, g * c, h)
 
 
-def _block_update(carry, q_RxMxH, kT_RxHxC, v_RxCxH, allowed_BxCxC, groups: int, dtype):
+def _block_update(carry, *, q_RxMxH, kT_RxHxC, v_RxCxH, allowed_BxCxC, groups: int, dtype):
     """The online softmax's (m, l, acc) after one more block of keys."""
     m_RxM, l_RxM, acc_RxMxH = carry
     r, mq, _ = q_RxMxH.shape
@@ -66,10 +67,49 @@ def needed_blocks(segment_BxT, chunk: int) -> jax.Array:
     return below_NxN & jnp.any(last_NxB[None, :, :] >= first_NxB[:, None, :], axis=-1)
 
 
-def blocked_attention(q_BxTxKxGxH, kT_BxKxHxT, v_BxKxTxH, segment_BxT, dtype, chunk: int):
+def _query_block(
+    i: int, chunk: int, groups: int, dtype, q_BxCxKxGxH, kT_BxKxHxT, v_BxKxTxH, seg_BxT, needed_N
+):
+    """Query block i's output `out_BxCxKxGxH` over key blocks 0..i (those of `needed_N` only)."""
+    b, c, k, g, h = q_BxCxKxGxH.shape
+    q_RxMxH = _grouped(q_BxCxKxGxH)
+    seg_q_BxC = seg_BxT[:, i * chunk : (i + 1) * chunk]
+    carry = (
+        jnp.full((b * k, g * c), _NEG_INF, jnp.float32),
+        jnp.zeros((b * k, g * c), jnp.float32),
+        jnp.zeros((b * k, g * c, h), jnp.float32),
+    )
+    for j in range(i + 1):
+        keys = slice(j * chunk, (j + 1) * chunk)
+        seg_k_BxC = seg_BxT[:, keys]
+        allowed_BxCxC = (seg_q_BxC[:, :, None] == seg_k_BxC[:, None, :]) & (seg_k_BxC[:, None, :] > 0)
+        if i == j:
+            allowed_BxCxC = allowed_BxCxC & jnp.tril(jnp.ones((chunk, chunk), bool))
+        kT_RxHxC = kT_BxKxHxT[..., keys].reshape(b * k, h, chunk)
+        v_RxCxH = v_BxKxTxH[:, :, keys].reshape(b * k, chunk, h)
+        update = functools.partial(
+            _block_update,
+            q_RxMxH=q_RxMxH,
+            kT_RxHxC=kT_RxHxC,
+            v_RxCxH=v_RxCxH,
+            allowed_BxCxC=allowed_BxCxC,
+            groups=groups,
+            dtype=dtype,
+        )
+        carry = update(carry) if i == j else jax.lax.cond(needed_N[j], update, lambda c: c, carry)
+    _, l_RxM, acc_RxMxH = carry
+    out_RxMxH = acc_RxMxH / jnp.where(l_RxM > 0, l_RxM, 1.0)[..., None]
+    return out_RxMxH.reshape(b, k, g, c, h).transpose(0, 3, 1, 2, 4)
+
+
+def blocked_attention(
+    q_BxTxKxGxH, kT_BxKxHxT, v_BxKxTxH, segment_BxT, dtype, chunk: int, remat: bool = False
+):
     """`out_BxTxKxGxH`: attention of each query over the earlier keys of its own segment, over
     blocks of `chunk` queries and keys, the blocks no query can read skipped (module docstring).
-    Queries of padding (segment 0) read nothing and give 0."""
+    Queries of padding (segment 0) read nothing and give 0. With `remat` each query block is
+    rematerialised in the backward pass (`jax.checkpoint`): its scores are not kept from the
+    forward, so one block's C x T of them are alive at a time, as `model.chunked_attention`'s."""
     b, t, k, g, h = q_BxTxKxGxH.shape
     n = -(-t // chunk)
     pad = n * chunk - t
@@ -77,32 +117,11 @@ def blocked_attention(q_BxTxKxGxH, kT_BxKxHxT, v_BxKxTxH, segment_BxT, dtype, ch
     q_BxTxKxGxH = jnp.pad(q_BxTxKxGxH, ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
     kT_BxKxHxT = jnp.pad(kT_BxKxHxT, ((0, 0), (0, 0), (0, 0), (0, pad)))
     v_BxKxTxH = jnp.pad(v_BxKxTxH, ((0, 0), (0, 0), (0, pad), (0, 0)))
-    seg_NxBxC = seg_BxT.reshape(b, n, chunk).swapaxes(0, 1)
     needed_NxN = needed_blocks(seg_BxT, chunk)
-    causal_CxC = jnp.tril(jnp.ones((chunk, chunk), bool))
     blocks = []
     for i in range(n):
-        cols = slice(i * chunk, (i + 1) * chunk)
-        q_RxMxH = _grouped(q_BxTxKxGxH[:, cols])
-        carry = (
-            jnp.full((b * k, g * chunk), _NEG_INF, jnp.float32),
-            jnp.zeros((b * k, g * chunk), jnp.float32),
-            jnp.zeros((b * k, g * chunk, h), jnp.float32),
-        )
-        for j in range(i + 1):
-            keys = slice(j * chunk, (j + 1) * chunk)
-            same_BxCxC = (seg_NxBxC[i][:, :, None] == seg_NxBxC[j][:, None, :]) & (
-                seg_NxBxC[j][:, None, :] > 0
-            )
-            allowed_BxCxC = same_BxCxC & causal_CxC if i == j else same_BxCxC
-            kT_RxHxC = kT_BxKxHxT[..., keys].reshape(b * k, h, chunk)
-            v_RxCxH = v_BxKxTxH[:, :, keys].reshape(b * k, chunk, h)
-            update = lambda c, a=allowed_BxCxC, kk=kT_RxHxC, vv=v_RxCxH, qq=q_RxMxH: _block_update(
-                c, qq, kk, vv, a, g, dtype
-            )
-            skip = lambda c: c
-            carry = update(carry) if i == j else jax.lax.cond(needed_NxN[i, j], update, skip, carry)
-        _, l_RxM, acc_RxMxH = carry
-        out_RxMxH = acc_RxMxH / jnp.where(l_RxM > 0, l_RxM, 1.0)[..., None]
-        blocks.append(out_RxMxH.reshape(b, k, g, chunk, h).transpose(0, 3, 1, 2, 4))
+        one = functools.partial(_query_block, i, chunk, g, dtype)
+        one = jax.checkpoint(one) if remat else one
+        q_BxCxKxGxH = q_BxTxKxGxH[:, i * chunk : (i + 1) * chunk]
+        blocks.append(one(q_BxCxKxGxH, kT_BxKxHxT, v_BxKxTxH, seg_BxT, needed_NxN[i]))
     return jnp.concatenate(blocks, axis=1)[:, :t].astype(dtype)

@@ -115,18 +115,17 @@ def _prompt_width(batch: TrainBatch, length_bucket: int) -> int:
 
 
 def _rollout(
-    batch: TrainBatch, group_size: int, normalize_std: bool, length_bucket: int, cut_responses: bool = True
+    batch: TrainBatch, group_size: int, normalize_std: bool, length_bucket: int
 ) -> train_step.Rollout:
     """Host arrays of the train batch: prompt + response tokens, masks and advantages A_i.
 
     Response columns past the longest response, and prompt columns before the longest prompt,
     are cut, each width rounded up to a multiple of `length_bucket`: the trainer then compiles
-    few shapes and does not spend its FLOPs on padding when prompts or responses are short.
-    Without `cut_responses` all N response columns stay (length-sorted micro-batches cut each
-    run themselves, and a fixed T keeps their programs to one per width, not per width and T)."""
+    few shapes and does not spend its FLOPs on padding when prompts or responses are short
+    (train.pack then packs the rows into rows of that width)."""
     rows, valid_B = batch.rows, batch.valid_B
     n = rows.tokens_BxN.shape[1]
-    width = train_step.bucket_width(int(rows.length_B.max()), length_bucket, n) if cut_responses else n
+    width = train_step.bucket_width(int(rows.length_B.max()), length_bucket, n)
     q0 = rows.prompt_tokens_BxQ.shape[1] - _prompt_width(batch, length_bucket)
     prompt_mask_BxQ = rows.prompt_mask_BxQ[:, q0:]
     response_mask_BxN = rows.mask_BxN[:, :width]
@@ -402,7 +401,6 @@ def _step(
         c.rollout.group_size,
         c.loss.normalize_std,
         c.train.length_bucket,
-        not c.train.sort_micro_batches,
     )
     prompt_width = _prompt_width(batch, c.train.length_bucket)
     k = c.train.train_batch_prompts // c.train.mini_batch_prompts

@@ -10,9 +10,9 @@ Per-token arrays are aligned with tokens_BxT: entry t is about token t (its log-
 the logits at t - 1); entry 0 has no predecessor, is 0 and must be outside the loss mask.
 A rollout batch is split into k mini-batches, one update each (`train_on_rollout`); pi_old and
 pi_ref log-probs are computed once before the first update by `compute_logprobs`.
-With `train.sort_micro_batches` the micro-batches are runs of rows sorted by length instead, each
-cut to its own width, one program per width (`make_length_sorted_train_step`,
-`make_length_sorted_logprobs`): the same sums over fewer padding tokens.
+With `train.pack` the rows are packed rows instead (`dapo_jax.packing`: several responses with
+their prompts per row, segment ids for the mask, A_i per token): the same sums, no padding
+trained, micro-batches of `micro_rows` packed rows.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
@@ -286,11 +285,6 @@ def micro_loss(model, loss_cfg: LossConfig, denom: objective.Denominators, param
     return loss, metrics
 
 
-def _add_metrics(total: dict, part: dict) -> dict:
-    """Micro-batch metrics summed (they are shares), `*_max` ones maximized."""
-    return {k: jnp.maximum(total[k], v) if k.endswith("_max") else total[k] + v for k, v in part.items()}
-
-
 def loss_and_grads(model, loss_cfg: LossConfig, params, batch: Batch, num_micro_batches: int, mesh=None):
     """`(grads, metrics)` of the mini-batch's policy loss, accumulated over micro-batches.
 
@@ -424,133 +418,6 @@ def bucket_width(needed: int, bucket: int, at_most: int) -> int:
     """`needed` columns (at least 1) rounded up to a multiple of `bucket`, at most `at_most`: the
     trained widths, so that few shapes compile."""
     return min(at_most, -(-max(needed, 1) // bucket) * bucket)
-
-
-def length_sorted_micro_batches(end_B, num_micro_batches: int, bucket: int, max_width: int) -> list[tuple]:
-    """`[(rows_b, width)]`: the rows sorted by where their tokens end (`end_B`, one past each
-    row's last real column), cut into `num_micro_batches` equal runs, each with the width its
-    longest row needs rounded up to a multiple of `bucket`, at most `max_width` (the batch's).
-    Short rows share narrow micro-batches, so the trained padding follows each run's longest
-    row, not the mini-batch's; widths ascend, at most max_width / bucket distinct ones (a
-    program each)."""
-    end_B = np.asarray(end_B)
-    if len(end_B) % num_micro_batches:
-        raise ValueError(f"batch of {len(end_B)} rows does not split into {num_micro_batches} micro-batches")
-    order = np.argsort(end_B, kind="stable")
-    runs = np.split(order, num_micro_batches)
-    return [
-        (np.sort(rows).astype(np.int32), bucket_width(int(end_B[rows].max()), bucket, max_width))
-        for rows in runs
-    ]
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _row_ends(mesh, mask_BxT):
-    """One past each row's last real column (0 for an empty row), replicated on `mesh`."""
-    end_B = jnp.max(jnp.where(mask_BxT, jnp.arange(1, mask_BxT.shape[1] + 1), 0), axis=1)
-    return jax.lax.with_sharding_constraint(end_B, sharding.replicated(mesh))
-
-
-def _device_plan(mesh, num_micro_batches: int, bucket: int, mask_BxT) -> list[tuple]:
-    """`length_sorted_micro_batches` of the rows of `mask_BxT` (their ends brought to every
-    host), each run's row indices replicated on `mesh`."""
-    end_B = sharding.to_host(_row_ends(mesh, mask_BxT))
-    plan = length_sorted_micro_batches(end_B, num_micro_batches, bucket, mask_BxT.shape[1])
-    return [(jax.device_put(rows, sharding.replicated(mesh)), width) for rows, width in plan]
-
-
-def _zero_accumulator(model, loss_cfg, params, mini: Batch):
-    """`((zero gradients, zero metrics of micro_loss's structure), the mini-batch's denominators)`."""
-    denom = objective.denominators(mini.loss_mask_BxT, loss_cfg.agg_mode, loss_cfg.norm_const)
-    shapes = jax.eval_shape(lambda p, b: micro_loss(model, loss_cfg, denom, p, b)[1], params, mini)
-    zeros = jax.tree.map(jnp.zeros_like, params), jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
-    return zeros, denom
-
-
-def _accumulate(model, loss_cfg, width: int, acc, params, mini: Batch, rows_b, denom):
-    """`acc` plus the gradient and metrics of the micro-batch of rows `rows_b`, columns [0, width)."""
-    grads, metrics = acc
-    take = lambda x: nn.with_logical_constraint(
-        x[rows_b] if x.ndim == 1 else x[rows_b, :width], ("batch",) + (None,) * (x.ndim - 1)
-    )
-    grad_fn = jax.value_and_grad(functools.partial(micro_loss, model, loss_cfg, denom), has_aux=True)
-    (_, m), g = grad_fn(params, jax.tree.map(take, mini))
-    return jax.tree.map(jnp.add, grads, g), _add_metrics(metrics, m)
-
-
-def _apply_accumulated(optimizer, schedule, state: TrainState, acc, denom):
-    grads, metrics = acc
-    return apply_gradients(optimizer, schedule, state, grads, {**metrics, "loss_tokens": denom.tokens})
-
-
-def make_length_sorted_train_step(
-    model, optimizer, schedule, loss_cfg: LossConfig, mesh, num_micro_batches: int, bucket: int
-):
-    """`make_train_step`'s update with each micro-batch cut to its own width: the rows sorted by
-    length (`length_sorted_micro_batches`), one gradient program per width, the gradients and
-    metrics accumulated on the device, then the same AdamW step. The same gradient as one pass
-    (the denominators are the mini-batch's), up to the order of the float sums; it skips the
-    padding of rows shorter than the mini-batch's longest, at the cost of a program per width
-    (bounded by T / bucket) and a host round trip per mini-batch for the rows' lengths."""
-    state_sh = state_shardings(model, optimizer, mesh)
-    acc_sh = (state_sh.params, sharding.replicated(mesh))
-    zeros = jax.jit(
-        functools.partial(_zero_accumulator, model, loss_cfg),
-        out_shardings=(acc_sh, sharding.replicated(mesh)),
-    )
-    accumulate = jax.jit(
-        functools.partial(_accumulate, model, loss_cfg),
-        static_argnums=0,
-        out_shardings=acc_sh,
-        donate_argnums=1,
-    )
-    apply = jax.jit(
-        functools.partial(_apply_accumulated, optimizer, schedule),
-        out_shardings=(state_sh, sharding.replicated(mesh)),
-        donate_argnums=0,
-    )
-
-    plan = functools.partial(_device_plan, mesh, num_micro_batches, bucket)
-
-    def step(state: TrainState, mini: Batch):
-        with sharding.activate(mesh):
-            acc, denom = zeros(state.params, mini)
-            for rows, width in plan(mini.mask_BxT):
-                acc = accumulate(width, acc, state.params, mini, rows, denom)
-            return apply(state, acc, denom)
-
-    return step
-
-
-def _logp_into(model, temperature: float, width: int, logp_BxT, params, tokens_BxT, mask_BxT, rows_b):
-    """`logp_BxT` with rows `rows_b`, columns [0, width), set to their log-probs under `params`."""
-    take = lambda x: nn.with_logical_constraint(x[rows_b, :width], ("batch", None))
-    logp_bxW = model_logp_and_entropy(model, params, take(tokens_BxT), take(mask_BxT), temperature)[0]
-    return logp_BxT.at[rows_b, :width].set(logp_bxW)
-
-
-def make_length_sorted_logprobs(model, mesh, temperature: float, num_micro_batches: int, bucket: int):
-    """`make_compute_logprobs`'s function with each micro-batch cut to its own width, as in
-    `make_length_sorted_train_step`: one forward program per width, each writing its rows'
-    log-probs into one [B, T] array (columns past a run's width: 0, padding)."""
-    rows_sh = sharding.batch_sharding(mesh, 2)
-    zeros = jax.jit(lambda t: jnp.zeros(t.shape, jnp.float32), out_shardings=rows_sh)
-    write = jax.jit(
-        functools.partial(_logp_into, model, temperature),
-        static_argnums=0,
-        out_shardings=rows_sh,
-        donate_argnums=1,
-    )
-    plan = functools.partial(_device_plan, mesh, num_micro_batches, bucket)
-
-    def fn(params, tokens_BxT, mask_BxT):
-        with sharding.activate(mesh):
-            logp_BxT = zeros(tokens_BxT)
-            for rows, width in plan(mask_BxT):
-                logp_BxT = write(width, logp_BxT, params, tokens_BxT, mask_BxT, rows)
-            return logp_BxT
-
-    return fn
 
 
 def _on_mesh(jitted, mesh):

@@ -124,7 +124,7 @@ def test_warm_up_counts_rollout_steps_and_the_first_update_learns():
                 reference__path=dapo.get_config("tiny").model.path,
                 rollout__tensor_parallel=2,
                 rollout__param_dtype="bfloat16",
-                train__sort_micro_batches=True,  # and trains length-sorted micro-batches
+                train__pack=True,  # and trains packed rows (seq-mean-token-mean, pi_ref packed too)
             ),
         ),
     ],

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dapo_jax import model, objective, sharding
+from dapo_jax import model, objective, packing, sharding
 from dapo_jax import train_step as ts
 
 CFG = model.ModelConfig(
@@ -164,15 +164,13 @@ def test_detached_old_logp_is_the_recomputed_one_and_measures_the_sampler():
 
 
 @functools.cache  # one compilation per setting, shared by the tests
-def make_step(mesh, sorted_bucket=0):
-    """Two micro-batches: scanned, or length-sorted with widths in multiples of `sorted_bucket`."""
+def make_step(mesh, micro_rows=0):
+    """Two micro-batches of padded rows, or micro-batches of `micro_rows` packed rows."""
     # eps = 1 makes Adam's first update ~ lr * g / (|g| + 1): smooth in g, so that float noise
     # in a near-zero gradient cannot flip the sign of an update as g / |g| would.
     schedule = ts.learning_rate_schedule(0.1, 0, "constant")
     opt = ts.make_optimizer(schedule, weight_decay=0.1, max_grad_norm=1e3, eps=1.0)
-    if sorted_bucket:
-        return opt, ts.make_length_sorted_train_step(MODEL, opt, schedule, loss_cfg(), mesh, 2, sorted_bucket)
-    return opt, ts.make_train_step(MODEL, opt, schedule, loss_cfg(), mesh, 2)
+    return opt, ts.make_train_step(MODEL, opt, schedule, loss_cfg(), mesh, 2, micro_rows=micro_rows)
 
 
 @pytest.mark.slow
@@ -212,44 +210,42 @@ def test_sharded_step_equals_single_device(axes):
     assert moved > 1e-3  # the step did change the parameters
 
 
-def test_length_sorted_micro_batches_by_hand():
-    # Ends sorted: rows 6 (1), 3 (3), 0 (5), 2 (7) | 5 (9), 7 (11), 4 (12), 1 (16).
-    ends = [5, 16, 7, 3, 12, 9, 1, 11]
-    plan = ts.length_sorted_micro_batches(ends, 2, bucket=4, max_width=16)
-    assert [(r.tolist(), w) for r, w in plan] == [([0, 2, 3, 6], 8), ([1, 4, 5, 7], 16)]
-    plan = ts.length_sorted_micro_batches(ends, 4, bucket=5, max_width=16)
-    assert [(r.tolist(), w) for r, w in plan] == [([3, 6], 5), ([0, 2], 10), ([5, 7], 15), ([1, 4], 16)]
-    with pytest.raises(ValueError, match="does not split into 3 micro-batches"):
-        ts.length_sorted_micro_batches(ends, 3, bucket=4, max_width=16)
-
-
 @pytest.mark.slow
-def test_length_sorted_step_and_logprobs_equal_the_full_width_ones():
-    # Responses end at columns 6-16 of 16: two micro-batches of widths 8 and 16 on the sharded
-    # mesh (rows gathered across its shards) against the scan's two full-width ones on one device.
+@pytest.mark.parametrize("axes", [{"data": 2, "fsdp": 2, "tensor": 2}, {"data": 2}])
+def test_packed_sharded_step_and_logprobs_equal_the_padded_single_device_ones(axes):
+    # The mini-batch packed (dapo_jax.packing) into rows split over a sharded mesh, against the
+    # padded rows' scan on one device: the same update and, unpacked, the same log-probs.
     single = single_mesh()
     params0 = init(single)
     batch = single_device_batch()
     opt, step = make_step(single)
     state1, m1 = step(ts.init_train_state(MODEL, opt, single, params0), batch)
 
-    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    d = axes["data"] * axes.get("fsdp", 1)  # micro-batches of d packed rows, one on each shard
+    p = packing.plan(batch.mask_BxT, 1, rows_multiple=d)
+    packed = ts.Batch(
+        *packing.pack_rows(p, batch.tokens_BxT, batch.loss_mask_BxT, batch.adv_B),
+        packing.pack(p, batch.old_logp_BxT),
+        packing.pack(p, batch.ref_logp_BxT),
+    )
+    mesh = sharding.make_mesh(axes, devices=jax.devices()[: np.prod(list(axes.values()))])
     params8 = jax.device_put(jax.tree.map(np.asarray, params0), sharding.param_shardings(MODEL, mesh))
-    opt8, sorted_step = make_step(mesh, sorted_bucket=4)
-    state8, m8 = sorted_step(ts.init_train_state(MODEL, opt8, mesh, params8), batch)
+    opt8, packed_step = make_step(mesh, micro_rows=d)
+    state8, m8 = packed_step(ts.init_train_state(MODEL, opt8, mesh, params8), packed)
     assert set(m8) == set(m1)
     for k in m1:
         np.testing.assert_allclose(m8[k], m1[k], rtol=1e-5, atol=1e-7, err_msg=k)
     for a, b in zip(jax.tree.leaves(state8), jax.tree.leaves(state1)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
-    # The log-probs of pi_old the same way: equal to one full-width pass on every real token.
     r = rollout()
-    logp = ts.make_length_sorted_logprobs(MODEL, mesh, 0.7, 2, bucket=4)(params8, r.tokens_BxT, r.mask_BxT)
+    logp = ts.make_compute_logprobs(MODEL, mesh, 0.7, 0, micro_rows=d)(
+        params8, packed.tokens_BxT, packed.mask_BxT
+    )
     full = ts.make_compute_logprobs(MODEL, single, 0.7, 1)(params0, r.tokens_BxT, r.mask_BxT)
-    on = np.asarray(r.mask_BxT) & (np.arange(16) > 0)
-    np.testing.assert_allclose(np.asarray(logp)[on], np.asarray(full)[on], rtol=1e-5, atol=1e-6)
-    # Rows 0, 2, 4, 6 end at columns 6-8: their run is 8 wide and nothing is computed past it.
-    assert np.all(np.asarray(logp)[[0, 2, 4, 6], 8:] == 0.0) and np.all(np.asarray(logp)[1, 8:16] != 0.0)
+    on = np.asarray(r.loss_mask_BxT)
+    np.testing.assert_allclose(
+        packing.unpack(p, np.asarray(logp))[on], np.asarray(full)[on], rtol=1e-5, atol=1e-6
+    )
 
 
 @pytest.mark.slow
