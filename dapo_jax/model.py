@@ -25,7 +25,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dapo_jax.segment_attention import SegmentIds, blocked_attention
+from dapo_jax.segment_attention import SegmentIds, blocked_attention, splash_attention
 
 _NEG_INF = -1e30  # finite, so that a fully masked (padding) query row stays NaN-free
 
@@ -379,7 +379,9 @@ class Attention(nn.Module):
         dtype, chunk = c.compute_dtype, c.attention_chunk
         if isinstance(attn_BxTxS, SegmentIds):  # packed rows: blocks across segments skipped
             kT_BxKxHxT, seg_BxT = k_BxKxTxH.swapaxes(2, 3), attn_BxTxS.segment_BxT
-            if chunk and t > chunk:
+            if _splash_applies(t):
+                out = splash_attention(q_BxTxKxGxH, kT_BxKxHxT, v_BxKxTxH, seg_BxT).astype(dtype)
+            elif chunk and t > chunk:
                 out = blocked_attention(q_BxTxKxGxH, kT_BxKxHxT, v_BxKxTxH, seg_BxT, dtype, chunk, c.remat)
             else:
                 out = grouped_attention(
@@ -404,6 +406,17 @@ class Attention(nn.Module):
         out = out.reshape(b, t, n * h)
         out = nn.with_logical_constraint(out, ("batch", "length", "heads"))
         return _dense(c, c.hidden_size, ("heads", "embed"), False, "o_proj")(out), cache
+
+
+def _splash_applies(t: int) -> bool:
+    """Whether packed rows' attention runs jax's splash kernel (`segment_attention.splash_attention`):
+    on a mesh of TPU devices (abstract ones included, for AOT), outside manual axes, T a multiple
+    of its blocks."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = getattr(mesh, "abstract_device", None)
+    if mesh.empty or device is None or mesh.manual_axes:
+        return False
+    return device.platform == "tpu" and t % 512 == 0
 
 
 class MLP(nn.Module):

@@ -125,3 +125,48 @@ def blocked_attention(
         q_BxCxKxGxH = q_BxTxKxGxH[:, i * chunk : (i + 1) * chunk]
         blocks.append(one(q_BxCxKxGxH, kT_BxKxHxT, v_BxKxTxH, seg_BxT, needed_NxN[i]))
     return jnp.concatenate(blocks, axis=1)[:, :t].astype(dtype)
+
+
+def splash_attention(
+    q_BxTxKxGxH, kT_BxKxHxT, v_BxKxTxH, segment_BxT, block: int = 512, interpret: bool = False
+):
+    """The TPU path: jax's splash attention Pallas kernel (a causal `MultiHeadMask`, the segment
+    ids as its `SegmentIds`: blocks above the diagonal skipped, other segments masked), run on
+    each device of the current mesh (`jax.shard_map`: rows over data x fsdp, KV heads and their
+    G query heads over tensor, as `sharding.RULES` lay them out). T must be a multiple of
+    `block`. Padding (segment 0) attends within the padding; no real token reads it.
+    `interpret`: the Pallas interpreter (any backend; for tests)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import (  # noqa: PLC0415 (TPU only)
+        splash_attention_kernel as kernels,
+    )
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks  # noqa: PLC0415
+
+    b, t, k, g, h = q_BxTxKxGxH.shape
+    rows, heads = ("data", "fsdp"), "tensor"
+
+    def local(q_bxTxkxGxH, kT_bxkxHxT, v_bxkxTxH, seg_bxT):
+        n = q_bxTxkxGxH.shape[2] * g
+        q_bxNxTxH = q_bxTxkxGxH.transpose(0, 2, 3, 1, 4).reshape(-1, n, t, h) / math.sqrt(h)
+        sizes = dict.fromkeys(
+            ("block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv"), block
+        )
+        sizes.update(block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+        kernel = kernels.make_splash_mha(
+            masks.MultiHeadMask([masks.CausalMask((t, t))] * n),
+            block_sizes=kernels.BlockSizes(**sizes),
+            head_shards=1,
+            q_seq_shards=1,
+            interpret=interpret,
+        )
+        one = lambda q, kk, v, s: kernel(q, kk, v, segment_ids=kernels.SegmentIds(s, s))
+        out_bxNxTxH = jax.vmap(one)(q_bxNxTxH, kT_bxkxHxT.swapaxes(2, 3), v_bxkxTxH, seg_bxT)
+        return out_bxNxTxH.reshape(-1, n // g, g, t, h).transpose(0, 3, 1, 2, 4)
+
+    spec = jax.sharding.PartitionSpec
+    return jax.shard_map(
+        local,
+        mesh=jax.sharding.get_abstract_mesh(),
+        in_specs=(spec(rows, None, heads), spec(rows, heads), spec(rows, heads), spec(rows)),
+        out_specs=spec(rows, None, heads),
+        check_vma=False,
+    )(q_BxTxKxGxH, kT_BxKxHxT, v_BxKxTxH, segment_BxT.astype(jnp.int32))
