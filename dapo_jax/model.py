@@ -11,7 +11,9 @@ trainer's pass over packed rows their `segment_attention.SegmentIds`. Without a 
 the keys are the T input tokens (S = T): the trainer's teacher-forced pass. With a cache (`KVCache`,
 one per layer) row b's T new keys and values are written at its slot `cache_index_B[b]` (a scalar:
 every row's) and the queries read all S cache slots: `grouped_attention` for a prefill (T > 1),
-`decode_attention` for a decode step (T = 1).
+`decode_attention` for a decode step (T = 1). With a paged cache (a pool of pages per layer,
+`paged_attention`) and `cache_index_B` a `PageRefs`, a decode step writes each row's key and value
+where the refs say and reads only the pages its table names, up to its length.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dapo_jax.paged_attention import PageRefs, paged_decode_attention, write_pages
 from dapo_jax.segment_attention import SegmentIds, blocked_attention, splash_attention
 
 _NEG_INF = -1e30  # finite, so that a fully masked (padding) query row stays NaN-free
@@ -393,6 +396,13 @@ class Attention(nn.Module):
             out = chunked_attention(
                 q_BxTxKxGxH, kT_BxKxHxT, v_BxKxTxH, attn_BxTxS, dtype, chunk, causal_prefix=not c.remat
             )
+        elif isinstance(cache_index_B, PageRefs):  # paged decode step: one token, a pool of pages
+            refs = cache_index_B
+            cache = write_pages(
+                cache, k_BxKxTxH[:, :, 0], v_BxKxTxH[:, :, 0], refs.write_page_B, refs.write_slot_B
+            )
+            out = paged_decode_attention(q_BxTxKxGxH[:, 0], cache, refs.lengths_B, refs.table_BxI, b)
+            out = out.astype(dtype)[:, None]
         else:
             cache = write_cache(cache, k_BxKxTxH, v_BxKxTxH, cache_index_B, c.transposed_keys)
             if t == 1:
@@ -527,7 +537,10 @@ class Transformer(nn.Module):
             name="embed_tokens",
         )
         x_BxTxD = nn.with_logical_constraint(embed(tokens_BxT), ("batch", "length", "embed"))
-        bound = tokens_BxT.shape[1] if caches is None else cache_slots(caches)  # on the positions
+        if isinstance(cache_index_B, PageRefs):  # bound on the positions: a row's I pages of Z slots
+            bound = cache_index_B.table_BxI.shape[1] * jax.tree.leaves(caches)[0].shape[-3]
+        else:
+            bound = tokens_BxT.shape[1] if caches is None else cache_slots(caches)
         rope = rope_tables(positions_BxT, c, bound)
         x_BxTxD, new_caches = _decoder_stack(c, x_BxTxD, rope, attn_BxTxS, caches, cache_index_B)
         x_BxTxD = RMSNorm(c.rms_norm_eps, c.compute_dtype, c.weight_dtype, name="norm")(x_BxTxD)

@@ -86,6 +86,9 @@ class SamplingConfig:
     greedy: bool = False  # argmax instead of sampling (logp still under log_softmax(logits / T))
     decode_chunks: int = 4  # the fixed batch's phases; each attends over the slots filled by its end
     decode_slots: int = 0  # S: rows decoded at once by continuous batching (0: all rows, fixed batch)
+    paged: bool = False  # the engine (`engine`): continuous batching over a paged KV cache
+    page_size: int = 16  # Z: KV slots per page of the engine's pool
+    kv_pages: int = 0  # M: pages of the engine's pool per loop (0: every slot at N tokens)
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -106,6 +109,10 @@ class SamplingConfig:
             raise ValueError(f"decode_chunks must be >= 1, got {self.decode_chunks}")
         if self.decode_slots < 0:
             raise ValueError(f"decode_slots must be >= 0 (0: a fixed batch), got {self.decode_slots}")
+        if self.page_size < 1 or self.kv_pages < 0:
+            raise ValueError(
+                f"page_size must be >= 1 and kv_pages >= 0, got {self.page_size}, {self.kv_pages}"
+            )
 
 
 def prefill(model: Transformer, params, tokens_PxT, mask_PxT, cache_len: int):
@@ -425,6 +432,10 @@ def rollout(
     """G = `n` completions of each of P left-padded prompts (pure; jitted by `Sampler`): a fixed
     batch, or continuous batching in `config.decode_slots` slots."""
     u_BxN = _row_uniforms(rng, uids_P, n, config.max_new_tokens)
+    if config.paged:
+        from dapo_jax import engine  # noqa: PLC0415 - the engine builds on this module
+
+        return engine.paged_rollout(model, config, n, params, prompt_PxL, mask_PxL.astype(bool), u_BxN)[0]
     loop = _slot_rollout if config.decode_slots else _fixed_batch_rollout
     return loop(model, config, n, params, prompt_PxL, mask_PxL.astype(bool), u_BxN)
 

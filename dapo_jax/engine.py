@@ -1,0 +1,297 @@
+"""The rollout engine: continuous batching over a paged KV cache, in one jitted loop.
+
+A generation batch of B = P x G rows (row p*G + g: response g to prompt p) is decoded in S slots
+(`SamplingConfig.decode_slots`). Each layer's cache is a pool of M pages of Z slots
+(`paged_attention`; M = `kv_pages`, Z = `page_size`). Row b's keys are its prompt's q_p real
+tokens then its own, in order (no padding held): key s in slot s % Z of page `table[s // Z]`.
+
+- Prefill: once per prompt (its first q_p - 1 tokens), into the prompt's J = ceil((L - 1) / Z)
+  pages, held for the whole call. The prompt's full pages are shared by its G rows (their tables
+  name them); its last, partial page is copied into a page of the row's own when the row starts.
+- Decode: every step each running row feeds one token (its prompt's last at t = 0, then its
+  token t - 1) at position q_p - 1 + t, takes a page from the free list when that key starts
+  one, and attends over only the pages it holds (`paged_decode_attention`). A row ends at an end
+  id or after N tokens; its slot and own pages are freed at once and the next waiting row starts.
+- A full pool: a row needing a page when none is free waits (its step is not taken). If every
+  running row waits, the one started last gives its pages back and waits to start again; it
+  recomputes the same tokens, since a row's samples depend only on its uniforms. New rows start
+  only while one free page is left per running row. Nothing is truncated: a batch completes
+  whenever the pool holds the prompts' pages and one row at N tokens.
+
+Tokens and log-probs are the fixed batch's (`sampler`), to float rounding of the attention sums:
+the same per-row uniforms u_BxN and the same sampling.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from dapo_jax import sampler
+from dapo_jax.model import KVCache, ModelConfig, Transformer
+from dapo_jax.paged_attention import PageRefs, interleave_kv
+
+
+class Geometry(NamedTuple):
+    """Static sizes of one engine program."""
+
+    rows: int  # B
+    slots: int  # S
+    page_size: int  # Z
+    prompt_pages: int  # J, pages per prompt (P x J held from the start)
+    table_pages: int  # I, pages a row may hold: ceil((L - 1 + N) / Z)
+    pool_pages: int  # M
+
+
+def geometry(config: sampler.SamplingConfig, prompts: int, group: int, width: int) -> Geometry:
+    """The engine's sizes for P = `prompts` of bucket width L = `width`, G = `group`; M is
+    `config.kv_pages`, or (0) enough for every slot at N tokens and a spare each; at least the prompts' pages,
+    one row's at N tokens and one spare."""
+    z, b = config.page_size, prompts * group
+    s = min(config.decode_slots or b, b)
+    j, i = -(-(width - 1) // z), -(-(width - 1 + config.max_new_tokens) // z)
+    m = config.kv_pages or prompts * j + s * (i + 1)
+    if m <= prompts * j + i:
+        raise ValueError(
+            f"kv_pages = {m} cannot hold the {prompts} prompts' {prompts * j} pages, one row at "
+            f"{config.max_new_tokens} tokens ({i} pages of {z}) and a spare: "
+            f"set kv_pages >= {prompts * j + i + 1}"
+        )
+    return Geometry(b, s, z, j, i, m)
+
+
+def empty_pools(config: ModelConfig, pages: int, page_size: int):
+    """Zeroed pools `pages_MxZxUxE` in the compute dtype: one per layer, or stacked on a leading
+    layer axis with `scan_layers`."""
+    lead = (config.num_layers,) if config.scan_layers else ()
+    shape = (*lead, pages, page_size, 2 * config.num_kv_heads, config.head_dim)
+    if config.scan_layers:
+        return jnp.zeros(shape, config.compute_dtype)
+    return [jnp.zeros(shape, config.compute_dtype) for _ in range(config.num_layers)]
+
+
+def _as_pages(cache: KVCache, pad_P, geo: Geometry, transposed_keys: bool):
+    """`kv_AxZxUxE`: one layer's left-padded prefill cache (L - 1 slots) as the P prompts' J pages
+    each (A = P x J), prompt p's real tokens first (shifted left by its padding `pad_P`)."""
+    k_PxKxSxE = cache.k.swapaxes(2, 3) if transposed_keys else cache.k
+    p, k, s, e = k_PxKxSxE.shape
+    keys = geo.prompt_pages * geo.page_size
+    src_PxS = jnp.minimum(jnp.arange(keys)[None] + pad_P[:, None], s - 1)
+    take = lambda x: jnp.take_along_axis(x, src_PxS[:, None, :, None], axis=2).transpose(0, 2, 1, 3)
+    kv_PxSxUxE = jax.vmap(interleave_kv)(take(k_PxKxSxE), take(cache.v))
+    return kv_PxSxUxE.reshape(p * geo.prompt_pages, geo.page_size, 2 * k, e)
+
+
+def prefill_pages(model: Transformer, params, prompt_PxL, mask_PxL, geo: Geometry):
+    """Empty pools whose first P x J pages hold the prompts' prefill (page p*J + j: prompt p's j-th)."""
+    pools = empty_pools(model.config, geo.pool_pages, geo.page_size)
+    if not geo.prompt_pages:
+        return pools
+    l = prompt_PxL.shape[1]
+    caches = sampler.prefill(model, params, prompt_PxL[:, :-1], mask_PxL[:, :-1], l - 1)
+    pad_P = l - mask_PxL.sum(-1, dtype=jnp.int32)
+    a, transposed = prompt_PxL.shape[0] * geo.prompt_pages, model.config.transposed_keys
+    if model.config.scan_layers:
+        kv = jax.vmap(lambda c: _as_pages(c, pad_P, geo, transposed))(caches)
+        return pools.at[:, :a].set(kv.astype(pools.dtype))
+    return [pool.at[:a].set(_as_pages(c, pad_P, geo, transposed)) for pool, c in zip(pools, caches)]
+
+
+def copy_pages(pools, src_X, dst_X):
+    """Pools with page `src_X[x]` copied to page `dst_X[x]` in every layer (dst M: no copy)."""
+    if isinstance(pools, list):
+        return [pool.at[dst_X].set(pool[src_X], mode="drop") for pool in pools]
+    return pools.at[:, dst_X].set(pools[:, src_X], mode="drop")
+
+
+class Prompts(NamedTuple):
+    """Per-prompt facts the loop reads."""
+
+    keys_P: jax.Array  # q_p - 1: keys of the prefill
+    last_P: jax.Array  # the prompt's last token, fed at t = 0
+    shared_P: jax.Array  # its full pages, shared by its rows: (q_p - 1) // Z
+    partial_P: jax.Array  # whether a partial page follows them (copied into each row's own)
+
+
+class EngineState(NamedTuple):
+    row_S: jax.Array  # the row each slot serves; B: none
+    step_S: jax.Array  # t: tokens that row has sampled
+    feed_S: jax.Array  # the token it feeds next
+    order_S: jax.Array  # when the row started (the last started is preempted first)
+    table_SxI: jax.Array  # the slot's page table
+    pools: list[jax.Array] | jax.Array  # pages_MxZxUxE per layer, or stacked
+    free_M: jax.Array  # a stack of free page ids, its top at free_top - 1
+    free_top: jax.Array
+    waiting_B: jax.Array  # rows not started (or preempted)
+    started: jax.Array  # rows started so far (the next order)
+    tokens_BxN: jax.Array
+    logp_BxN: jax.Array
+    ended_B: jax.Array
+    length_B: jax.Array
+    steps: jax.Array  # decode steps taken
+    preemptions: jax.Array
+    waits: jax.Array  # slot-steps a running row waited for a page
+
+
+def _take_pages(st: EngineState, need_S, column_S, geo: Geometry):
+    """`(state, granted_S)`: the slots that need a page get one from the free list, in slot
+    order while pages last, entered in their tables at `column_S`."""
+    rank_S = jnp.cumsum(need_S)
+    granted_S = need_S & (rank_S <= st.free_top)
+    page_S = st.free_M[jnp.clip(st.free_top - rank_S, 0, geo.pool_pages - 1)]
+    at_S = jnp.where(granted_S, jnp.arange(geo.slots), geo.slots)
+    table_SxI = st.table_SxI.at[at_S, column_S].set(page_S, mode="drop")
+    return st._replace(table_SxI=table_SxI, free_top=st.free_top - granted_S.sum()), granted_S
+
+
+def _give_back(st: EngineState, release_S, own_from_S, held_S, geo: Geometry) -> EngineState:
+    """Releasing slots' own pages (table columns own_from_S .. held_S - 1) pushed on the free list."""
+    i_I = jnp.arange(geo.table_pages)
+    mask_X = (release_S[:, None] & (i_I >= own_from_S[:, None]) & (i_I < held_S[:, None])).ravel()
+    at_X = jnp.where(mask_X, st.free_top + jnp.cumsum(mask_X) - 1, geo.pool_pages)
+    free_M = st.free_M.at[at_X].set(st.table_SxI.ravel(), mode="drop")
+    return st._replace(free_M=free_M, free_top=st.free_top + mask_X.sum())
+
+
+def _start_rows(st: EngineState, prompts: Prompts, group: int, geo: Geometry) -> EngineState:
+    """Free slots take the waiting rows in order while one free page is left per running row
+    (a row whose prompt ends in a partial page takes one for its copy); a starting row's table
+    names its prompt's shared pages."""
+    b = geo.rows
+    free_S = st.row_S >= b
+    k_S = jnp.cumsum(free_S) - 1
+    row_S = jnp.searchsorted(jnp.cumsum(st.waiting_B), k_S + 1, side="left").astype(jnp.int32)
+    p_S = jnp.minimum(row_S, b - 1) // group
+    cost_S = jnp.where(free_S & (row_S < b), prompts.partial_P[p_S], 0)
+    running = geo.slots - free_S.sum()
+    start_S = free_S & (row_S < b) & (jnp.cumsum(cost_S) + running + k_S + 1 <= st.free_top)
+    i_I = jnp.arange(geo.table_pages)
+    prompt_SxI = p_S[:, None] * geo.prompt_pages + i_I
+    table_SxI = jnp.where(start_S[:, None] & (i_I < prompts.shared_P[p_S][:, None]), prompt_SxI, st.table_SxI)
+    st = st._replace(table_SxI=table_SxI)
+    copy_S = start_S & prompts.partial_P[p_S]
+    st, _ = _take_pages(st, copy_S, prompts.shared_P[p_S], geo)
+    src_S = p_S * geo.prompt_pages + prompts.shared_P[p_S]
+    dst_S = jnp.where(copy_S, st.table_SxI[jnp.arange(geo.slots), prompts.shared_P[p_S]], geo.pool_pages)
+    pools = jax.lax.cond(copy_S.any(), lambda p: copy_pages(p, src_S, dst_S), lambda p: p, st.pools)
+    return st._replace(
+        row_S=jnp.where(start_S, row_S, st.row_S),
+        step_S=jnp.where(start_S, 0, st.step_S),
+        feed_S=jnp.where(start_S, prompts.last_P[p_S], st.feed_S),
+        order_S=jnp.where(start_S, st.started + k_S, st.order_S),
+        pools=pools,
+        waiting_B=st.waiting_B.at[jnp.where(start_S, row_S, b)].set(False, mode="drop"),
+        started=st.started + start_S.sum(),
+    )
+
+
+def _decode(model, params, config, geo: Geometry, prompts: Prompts, group: int, u_BxN, st: EngineState):
+    """`(state, run_S, done_S, keys_S)`: one decode step of the slots whose rows hold (or got) a
+    page for their next key (run_S); their tokens, log-probs and ends (done_S) recorded. keys_S:
+    the keys each slot's row holds after it."""
+    b, z, n_new = geo.rows, geo.page_size, config.max_new_tokens
+    active_S = st.row_S < b
+    row_S = jnp.minimum(st.row_S, b - 1)
+    pos_S = prompts.keys_P[row_S // group] + st.step_S  # this step's key and position
+    need_S = active_S & (pos_S % z == 0)
+    st, granted_S = _take_pages(st, need_S, pos_S // z, geo)
+    run_S = active_S & (~need_S | granted_S)
+    slots_S = jnp.arange(geo.slots)
+    refs = PageRefs(
+        table_BxI=st.table_SxI,
+        lengths_B=jnp.where(run_S, pos_S + 1, 0),
+        write_page_B=jnp.where(run_S, st.table_SxI[slots_S, pos_S // z], geo.pool_pages),
+        write_slot_B=pos_S % z,
+    )
+    positions_S = jnp.where(run_S, pos_S, 0)
+    logits_Sx1xV, pools = model.apply(
+        {"params": params}, st.feed_S[:, None], positions_S[:, None], None, st.pools, refs
+    )
+    step_S = jnp.minimum(st.step_S, n_new - 1)
+    token_S, logp_S = sampler.sample_token(logits_Sx1xV[:, 0], u_BxN[row_S, step_S], config)
+    ended_S = jnp.isin(token_S, jnp.asarray(config.eos_ids, jnp.int32).reshape(-1))
+    done_S = run_S & (ended_S | (st.step_S + 1 == n_new))
+    out_S, fin_S = jnp.where(run_S, row_S, b), jnp.where(done_S, row_S, b)  # B: dropped
+    st = st._replace(
+        step_S=st.step_S + run_S,
+        feed_S=jnp.where(run_S, token_S, st.feed_S),
+        pools=pools,
+        tokens_BxN=st.tokens_BxN.at[out_S, step_S].set(token_S, mode="drop"),
+        logp_BxN=st.logp_BxN.at[out_S, step_S].set(logp_S, mode="drop"),
+        ended_B=st.ended_B.at[fin_S].set(ended_S, mode="drop"),
+        length_B=st.length_B.at[fin_S].set(st.step_S + 1, mode="drop"),
+        steps=st.steps + 1,
+        waits=st.waits + (active_S & ~run_S).sum(),
+    )
+    return st, run_S, done_S, pos_S + run_S
+
+
+def _step(model, params, config, geo: Geometry, prompts: Prompts, group: int, u_BxN, st: EngineState):
+    """Decode; free the slots and own pages of the ended rows and, when every running row waits
+    for a page, of the last started row (which waits to start again); start waiting rows."""
+    b = geo.rows
+    active_S = st.row_S < b
+    p_S = jnp.minimum(st.row_S, b - 1) // group
+    st, run_S, done_S, keys_S = _decode(model, params, config, geo, prompts, group, u_BxN, st)
+    stuck = active_S.any() & ~run_S.any()
+    victim_S = stuck & active_S & (st.order_S == jnp.max(jnp.where(active_S, st.order_S, -1)))
+    release_S = done_S | victim_S
+    held_S = -(-keys_S // geo.page_size)
+    st = _give_back(st, release_S, prompts.shared_P[p_S], held_S, geo)
+    st = st._replace(
+        row_S=jnp.where(release_S, b, st.row_S),
+        waiting_B=st.waiting_B.at[jnp.where(victim_S, st.row_S, b)].set(True, mode="drop"),
+        preemptions=st.preemptions + stuck,
+    )
+    return _start_rows(st, prompts, group, geo)
+
+
+def _initial_state(pools, geo: Geometry, n_new: int, pad_id: int) -> EngineState:
+    b, s, m = geo.rows, geo.slots, geo.pool_pages
+    return EngineState(
+        row_S=jnp.full((s,), b, jnp.int32),
+        step_S=jnp.zeros((s,), jnp.int32),
+        feed_S=jnp.zeros((s,), jnp.int32),
+        order_S=jnp.zeros((s,), jnp.int32),
+        table_SxI=jnp.zeros((s, geo.table_pages), jnp.int32),
+        pools=pools,
+        free_M=jnp.zeros((m,), jnp.int32),
+        free_top=jnp.zeros((), jnp.int32),
+        waiting_B=jnp.ones((b,), bool),
+        started=jnp.zeros((), jnp.int32),
+        tokens_BxN=jnp.full((b, n_new), pad_id, jnp.int32),
+        logp_BxN=jnp.zeros((b, n_new), jnp.float32),
+        ended_B=jnp.zeros((b,), bool),
+        length_B=jnp.zeros((b,), jnp.int32),
+        steps=jnp.zeros((), jnp.int32),
+        preemptions=jnp.zeros((), jnp.int32),
+        waits=jnp.zeros((), jnp.int32),
+    )
+
+
+def paged_rollout(model, config: sampler.SamplingConfig, group: int, params, prompt_PxL, mask_PxL, u_BxN):
+    """`(outputs, stats)`: the P x G rows decoded by the engine (outputs as `sampler.rollout`'s);
+    stats: `steps` (decode steps), `waits` (slot-steps a row waited for a page) and
+    `preemptions` (rows that gave their pages back)."""
+    p, l = prompt_PxL.shape
+    geo = geometry(config, p, group, l)
+    keys_P = mask_PxL.sum(-1, dtype=jnp.int32) - 1
+    prompts = Prompts(
+        keys_P=keys_P,
+        last_P=prompt_PxL[:, -1],
+        shared_P=keys_P // geo.page_size,
+        partial_P=keys_P % geo.page_size != 0,
+    )
+    pools = prefill_pages(model, params, prompt_PxL, mask_PxL, geo)
+    st = _initial_state(pools, geo, config.max_new_tokens, config.pad_id)
+    held = p * geo.prompt_pages  # the prompts' pages; the rest start free
+    st = st._replace(
+        free_M=jnp.arange(geo.pool_pages, dtype=jnp.int32)[::-1], free_top=jnp.int32(geo.pool_pages - held)
+    )
+    st = _start_rows(st, prompts, group, geo)
+    body = lambda st: _step(model, params, config, geo, prompts, group, u_BxN, st)
+    st = jax.lax.while_loop(lambda st: jnp.any(st.row_S < geo.rows) | st.waiting_B.any(), body, st)
+    outputs = sampler._outputs(st.tokens_BxN, st.logp_BxN, st.ended_B, st.length_B)
+    return outputs, {"steps": st.steps, "waits": st.waits, "preemptions": st.preemptions}

@@ -1,0 +1,87 @@
+"""The rollout engine (continuous batching over a paged KV cache) against the fixed batch: the
+same tokens, log-probs, lengths and ends, whatever the slots, pages and pool size."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from dapo_jax import engine, hf_io, model, sampler, sharding
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def single():
+    return sharding.make_mesh({"data": -1}, devices=jax.devices()[:1])
+
+
+def _load(model_dir, mesh, **numerics):
+    m = model.Transformer(hf_io.config_from_hf(hf_io.read_hf_config(model_dir), dtype="float32", **numerics))
+    return m, hf_io.load_params(model_dir, m, mesh)
+
+
+def _prompts(lengths, width, seed=0):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1, VOCAB, size=(len(lengths), width)).astype(np.int32)
+    mask = np.arange(width)[None] >= width - np.asarray(lengths)[:, None]
+    tokens[~mask] = 0
+    return tokens, mask
+
+
+def _config(**kw):
+    return sampler.SamplingConfig(
+        **{"max_new_tokens": 10, "eos_ids": (), "pad_id": 0, "prompt_buckets": (8, 16), **kw}
+    )
+
+
+def _generate(m, params, cfg, mesh, prompt, mask, group, key, uids):
+    s = sampler.Sampler(m, cfg, mesh)
+    return jax.device_get(s.generate(params, prompt, mask, group, key, uids_P=uids))
+
+
+def _assert_same_rows(out, ref, what):
+    for k in ("tokens", "length", "truncated", "mask"):
+        np.testing.assert_array_equal(out[k], ref[k], err_msg=f"{k}, {what}")
+    np.testing.assert_allclose(out["logp"], ref["logp"], atol=2e-6, err_msg=what)
+
+
+@pytest.mark.parametrize("scan_layers, transposed_keys", [(False, False), (True, True)])
+def test_engine_equals_the_fixed_batch(qwen2_dir, single, scan_layers, transposed_keys):
+    """Prompts of 8, 3, 6, 1 and 5 tokens (full, partial and no shared pages at Z = 4), rows that
+    end and rows truncated: with 1, 4 and 64 slots and pages of 4 and 16, every row as the fixed
+    batch's."""
+    m, params = _load(qwen2_dir, single, scan_layers=scan_layers, transposed_keys=transposed_keys)
+    prompt, mask = _prompts([8, 3, 6, 1, 5], 8, seed=8)
+    cfg = _config(eos_ids=tuple(range(3, 11)), temperature=0.8, top_k=40)
+    args = (prompt, mask, 3, jax.random.key(5), [4, 1, 7, 2, 9])
+    fixed = _generate(m, params, cfg, single, *args)
+    assert fixed["truncated"].any() and len(set(fixed["length"][~fixed["truncated"]].tolist())) > 3
+    for slots, page in ((1, 4), (4, 1), (64, 16))[: 3 if scan_layers else 2]:
+        paged = dataclasses.replace(cfg, paged=True, decode_slots=slots, page_size=page)
+        _assert_same_rows(
+            _generate(m, params, paged, single, *args), fixed, f"{slots} slots, pages of {page}"
+        )
+
+
+def test_a_pool_a_quarter_of_rows_times_length_completes_the_batch(qwen2_dir, single):
+    """16 rows of up to 8 + 24 keys (8 pages of 4 each, 128 pages in all) in a pool of 32 pages,
+    8 of them the prompts', then in the smallest pool allowed (17): rows wait for pages and give
+    theirs back, and every row still gets the fixed batch's tokens and log-probs."""
+    m, params = _load(qwen2_dir, single)
+    prompt, mask = _prompts([8, 3, 6, 5], 8, seed=3)
+    uids, key = np.arange(4, dtype=np.int32), jax.random.key(2)
+    cfg = _config(max_new_tokens=24)  # no end id: every row holds 8 pages at its end
+    fixed = _generate(m, params, cfg, single, prompt, mask, 4, key, uids)
+    u_BxN = sampler._row_uniforms(key, uids, 4, 24)
+    for pages in (32, 17):
+        paged = dataclasses.replace(cfg, paged=True, decode_slots=8, page_size=4, kv_pages=pages)
+        geo = engine.geometry(paged, 4, 4, 8)
+        assert geo.rows * geo.table_pages >= 4 * geo.pool_pages
+        run = jax.jit(lambda p, x, k, u, c=paged: engine.paged_rollout(m, c, 4, p, x, k, u))
+        out, stats = jax.device_get(run(params, prompt, mask, u_BxN))
+        _assert_same_rows(out, fixed, f"{pages} pages")
+        assert stats["waits"] > 0 and (pages > 17 or stats["preemptions"] > 0), stats
+    with pytest.raises(ValueError, match="kv_pages = 16 cannot hold"):
+        engine.geometry(dataclasses.replace(paged, kv_pages=16), 4, 4, 8)
