@@ -57,6 +57,9 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
         micro_batch_prompts=32,  # prompts decoded at once: 512 rows' bf16 KV cache
         decode_slots=0,  # rows decoded at once by continuous batching (0: a fixed batch)
         decode_chunks=4,  # the fixed batch's phases, each reading the cache filled by its end
+        paged=False,  # the engine: continuous batching in decode_slots (0: all rows) over a paged KV cache
+        page_size=16,  # the engine's KV slots per page
+        kv_pages=0,  # the engine's pages per rollout loop (0: every slot at max_new_tokens, and a spare)
         # the sampler's weights: bf16, tensor-parallel over 8 chips and replicated over the rest
         # (fewer bytes per decoded token than the trainer's FSDP layout and no all-gather:
         # `python -m dapo_jax.aot`, docs/tpu_32b_plan.md)
@@ -169,6 +172,9 @@ def tiny() -> ml_collections.ConfigDict:
         micro_batch_prompts=0,  # the whole generation batch at once
         decode_slots=0,  # rows decoded at once by continuous batching (0: a fixed batch)
         decode_chunks=4,  # the fixed batch's phases, each reading the cache filled by its end
+        paged=False,  # the engine: continuous batching in decode_slots (0: all rows) over a paged KV cache
+        page_size=16,  # the engine's KV slots per page
+        kv_pages=0,  # the engine's pages per rollout loop (0: every slot at max_new_tokens, and a spare)
         tensor_parallel=0,  # the sampler's mesh: data x tensor (0: the trainer's mesh and weights)
         param_dtype="",  # the sampler's weight dtype ("": the trainer's)
         dtype="",  # the sampler's compute dtype ("": the trainer's, model.dtype)

@@ -294,6 +294,9 @@ def _sampling(c, shapes: Shapes) -> sampler.SamplingConfig:
         top_k=c.rollout.top_k,
         decode_slots=c.rollout.decode_slots,
         decode_chunks=c.rollout.decode_chunks,
+        paged=c.rollout.paged,
+        page_size=c.rollout.page_size,
+        kv_pages=c.rollout.kv_pages,
     )
 
 

@@ -86,6 +86,8 @@ _RANGES = {
     "rollout.micro_batch_prompts": "[0, inf)",
     "rollout.decode_slots": "[0, inf)",
     "rollout.decode_chunks": "[1, inf)",
+    "rollout.page_size": "[1, inf)",
+    "rollout.kv_pages": "[0, inf)",
     "rollout.tensor_parallel": "[0, inf)",
 }
 
@@ -438,6 +440,9 @@ def samplers(c: ml_collections.ConfigDict, m: model.Transformer, mesh, tokenizer
         top_k=c.rollout.top_k,
         decode_slots=c.rollout.decode_slots,
         decode_chunks=c.rollout.decode_chunks,
+        paged=c.rollout.paged,
+        page_size=c.rollout.page_size,
+        kv_pages=c.rollout.kv_pages,
     )
     sampler_model, sampler_mesh, rollout_weights = sampler_weights(c, m, mesh)
     sampler = Sampler(

@@ -8,7 +8,7 @@ after, at position `prompt_len - 1 + t`. A row reads cache slot s iff s holds a 
 or a token it fed, and s <= L-1+t. A row ends at an id of `eos_ids` (kept and counted in its
 length) or after N tokens (truncated).
 
-Two loops, chosen by `decode_slots`:
+Three loops, chosen by `paged` and `decode_slots`:
 - Fixed batch (0): the prefill caches are repeated G times and all B = P*G rows decode together,
   at the same t, until every row has ended. It runs in `decode_chunks` phases, each a
   `while_loop` whose caches hold only the slots filled by the phase's end (`decode_phases`, grown
@@ -18,6 +18,9 @@ Two loops, chosen by `decode_slots`:
   rows in order. A row starts when a slot frees: its prompt's prefill (computed once per prompt)
   is copied into the slot, and it decodes at its own t beside rows at other steps. The loop's
   steps follow the sum of the rows' lengths over S, not the longest; S bounds the KV cache.
+- The engine (`paged`, `engine.py`): continuous batching in S slots (0: all rows) over a paged
+  KV cache, a pool of `kv_pages` pages of `page_size` slots, each row attending over only the
+  pages it holds; a prompt's full pages shared by its G rows.
 
 Devices. On a mesh of d > 1 devices whose only split is the batch (data; fsdp = tensor = 1: each
 device holds all the weights), each device runs the loop by itself (`jax.shard_map`) on its P / d

@@ -47,7 +47,9 @@ def _assert_same_rows(out, ref, what):
     np.testing.assert_allclose(out["logp"], ref["logp"], atol=2e-6, err_msg=what)
 
 
-@pytest.mark.parametrize("scan_layers, transposed_keys", [(False, False), (True, True)])
+@pytest.mark.parametrize(
+    "scan_layers, transposed_keys", [(False, False), pytest.param(True, True, marks=pytest.mark.slow)]
+)
 def test_engine_equals_the_fixed_batch(qwen2_dir, single, scan_layers, transposed_keys):
     """Prompts of 8, 3, 6, 1 and 5 tokens (full, partial and no shared pages at Z = 4), rows that
     end and rows truncated: with 1, 4 and 64 slots and pages of 4 and 16, every row as the fixed
