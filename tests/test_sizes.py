@@ -15,8 +15,10 @@ import pytest
 from test_sampler import _config, _load, _prompts
 
 from configs import ablation, dapo, grpo
-from dapo_jax import overrides, run, sampler, sharding, sizes
+from dapo_jax import metrics, overrides, run, sampler, sharding, sizes, train
 from dapo_jax.errors import ConfigError
+
+from conftest import small
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 UIDS = [4, 1, 7, 2, 9]
@@ -221,3 +223,24 @@ def test_evaluate_takes_any_samples_on_two_devices_as_on_one(tmp_path):
         for r in two[n]["rows"]:
             by_problem.setdefault(r["problem_id"], []).append(r["acc"])
         assert two[n]["avg"] == pytest.approx(np.mean([np.mean(a) for a in by_problem.values()]))
+
+
+@pytest.mark.slow
+def test_a_run_takes_odd_generation_and_evaluation_batches(tmp_path):
+    """One tiny step on the 8 test devices with generation batches of 3 prompts x G=4 = 12 rows
+    and a held-out evaluation of 5 problems x 3 samples in chunks of 3: the step trains on 4
+    groups and the evaluation counts 5 problems."""
+    c = small(
+        dapo.get_config("tiny"),
+        filter__gen_batch_prompts=3,
+        filter__max_num_gen_batches=4,
+        eval__max_problems=5,
+        eval__samples=3,
+        eval__batch_prompts=3,
+        eval__every=1,
+    )
+    summary = train.train(c, str(tmp_path))
+    assert summary["actor/skipped_updates"] == 0 and summary["actor/grad_norm"] > 0
+    assert summary["dynamic_sampling/prompts_consumed"] == 3 * summary["dynamic_sampling/gen_batches"]
+    assert 0 <= summary["eval/avg@3"] <= 1 and summary["eval/pass@3"] >= summary["eval/avg@3"]
+    assert [r["step"] for r in metrics.read_jsonl(str(tmp_path / metrics.JSONL))] == [1]

@@ -97,6 +97,12 @@ def test_resume_after_sigkill_and_sigterm_equals_uninterrupted_run(tmp_path):
         ),
         ("--config.model.path=/no/such/model", "'/no/such/model/config.json' does not exist"),
         ("--config.train.steps=-3", "train.steps must be in [1, inf), got -3"),
+        (  # the tests' 8 devices
+            "--config.train.micro_batch_size=24",
+            "train.micro_batch_size 24: a mini-batch of 8 prompts x G=8 = 64 rows splits into micro-batches "
+            "of 8, 16, 32 or 64 rows, each split over the 8 devices of the mesh's data x fsdp axes; "
+            "nearest values that work: 16 and 32",
+        ),
         (
             "--config.data.train_files=('{tmp}/a b.parquet',)",
             "data file '{tmp}/a b.parquet' is not a readable parquet file",
