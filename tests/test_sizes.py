@@ -151,23 +151,28 @@ def one_device_rows(qwen2_dir):
 
 
 @pytest.mark.parametrize(
-    "mesh_sizes,micro,slots",
+    "mesh_sizes,micro,slots,paged",
     [
-        ({"data": 2}, 0, 0),  # a loop per device: 5 prompts filled to 6
+        ({"data": 2}, 0, 0, False),  # a loop per device: 5 prompts filled to 6
         # rollout micro-batches of 3 + 2 prompts, each filled to 4 and 2
-        pytest.param({"data": 2}, 3, 0, marks=pytest.mark.slow),
-        pytest.param({"data": 2}, 0, 2, marks=pytest.mark.slow),  # continuous batching, a slot per device
-        ({"data": 2, "tensor": 2}, 0, 0),  # one loop over the mesh: 15 rows filled to 18
+        pytest.param({"data": 2}, 3, 0, False, marks=pytest.mark.slow),
+        pytest.param({"data": 2}, 0, 2, False, marks=pytest.mark.slow),  # continuous batching, a slot each
+        pytest.param({"data": 2}, 0, 2, True, marks=pytest.mark.slow),  # the paged engine
+        # one loop over a data x tensor mesh: 15 rows filled to 18
+        pytest.param({"data": 2, "tensor": 2}, 0, 0, False, marks=pytest.mark.slow),
     ],
 )
-def test_odd_prompts_and_samples_are_padded_exactly(qwen2_dir, one_device_rows, mesh_sizes, micro, slots):
+def test_odd_prompts_and_samples_are_padded_exactly(
+    qwen2_dir, one_device_rows, mesh_sizes, micro, slots, paged
+):
     """filter.gen_batch_prompts, rollout.group_size, rollout.micro_batch_prompts and
     rollout.decode_slots need not divide the devices: 5 prompts x n = 3 on 2 data devices give
     one device's rows, none of the fill's."""
     prompt, mask, cfg, ref = one_device_rows
     mesh = sharding.make_mesh(mesh_sizes, devices=jax.devices()[: 2 * mesh_sizes.get("tensor", 1)])
     m, params = _load(qwen2_dir, mesh)
-    s = sampler.Sampler(m, dataclasses.replace(cfg, decode_slots=slots), mesh, micro_batch_prompts=micro)
+    cfg = dataclasses.replace(cfg, decode_slots=slots, paged=paged, page_size=4)
+    s = sampler.Sampler(m, cfg, mesh, micro_batch_prompts=micro)
     out = jax.device_get(s.generate(params, prompt, mask, 3, jax.random.key(2), uids_P=UIDS))
     assert out["tokens"].shape == ref["tokens"].shape == (15, 10)
     for k in ("tokens", "length", "truncated", "mask"):
