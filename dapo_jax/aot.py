@@ -6,7 +6,9 @@
 The run's mesh is built over abstract devices (`jax.experimental.topologies`, which needs libtpu:
 the `tpu` extra; `cpu:N` takes N host devices instead), and the train step, the log-prob pass, the
 prefill and the rollout (prefill + decode loop) are lowered on ShapeDtypeStructs with their
-shardings and compiled by the real compiler: no weight is read or allocated. Per program it prints
+shardings and compiled by the real compiler: no weight is read or allocated. `train_packed` and
+`logprobs_packed` are the train step and the log-prob pass on packed rows (`train.pack`) of a
+synthetic batch at DAPO's lengths (`dapo_lengths`). Per program it prints
 per-chip argument / output / temporary memory against the chip's HBM, FLOPs, and the time they
 imply at the chip's peak FLOP/s and HBM bandwidth; then the KV cache and the HBM bytes each decoded
 token reads under the trainer's FSDP layout and under a tensor-parallel rollout layout. It exits 1
@@ -541,7 +543,11 @@ def _define_flags():
         "v5p-N (N TensorCores), v6e-N or v5e-N (N chips), or cpu:N (N host devices, no libtpu)",
     )
     flags.DEFINE_float("hbm_gib", None, "per-chip memory to check against (default: the chip's)")
-    flags.DEFINE_list("programs", "train,logprobs,prefill,rollout,decode", "which programs to compile")
+    flags.DEFINE_list(
+        "programs",
+        "train,logprobs,prefill,rollout,decode",
+        f"which programs to compile, of {sorted(PROGRAMS) + ['decode']}",
+    )
 
 
 def main(argv):

@@ -43,6 +43,22 @@ def test_tiny_programs_compile_and_fit():
 
 
 @pytest.mark.slow
+def test_packed_programs_compile_fit_and_count_fewer_flops():
+    out = _aot("--programs=train,train_packed,logprobs,logprobs_packed")
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {r["program"]: r for r in json.loads(out.stdout.strip().splitlines()[-1])}
+    for name in ("train", "logprobs"):  # the synthetic DAPO-shaped batch packs into fewer rows
+        assert 0 < rows[name + "_packed"]["total_gib"] < 16
+        assert rows[name + "_packed"]["tflops_per_chip"] < rows[name]["tflops_per_chip"] / 2
+
+
+def test_dapo_lengths_have_the_recipe_shape():
+    length_B = aot.dapo_lengths(8192, 2048, 20480)  # prompt (128-256 tokens) + response
+    assert 0.035 < (length_B > 20480).mean() < 0.05  # ~4% of the responses at L_max
+    assert 4000 < length_B.mean() < 4600  # a mean response of ~4k tokens, plus ~190 of prompt
+
+
+@pytest.mark.slow
 def test_too_small_memory_is_one_line():
     out = _aot("--hbm_gib=0.001", "--programs=logprobs")
     assert out.returncode == 1
