@@ -36,7 +36,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from dapo_jax import hf_io, model, packing, run, sampler, sharding, train_step
+from dapo_jax import hf_io, model, packing, run, sampler, sharding, sizes, train_step
 from dapo_jax.errors import ConfigError
 
 GIB = 2**30
@@ -509,6 +509,7 @@ def analyse(c, topology: str, hbm_gib: float | None, programs) -> tuple[list[dic
     rows, and the complaint of `check_fit`."""
     run.check_ranges(c)
     kind, devices = topology_devices(topology)
+    sizes.check_batch_sizes(c, len(devices))  # the batch keys against this slice's chips
     chip = CHIPS[kind]
     hbm_gib = chip.hbm_gib if hbm_gib is None else hbm_gib
     mesh = sharding.make_mesh(c.mesh, devices)

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from dapo_jax import aot
+from configs import dapo
+from dapo_jax import aot, overrides
 from dapo_jax.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -73,3 +74,9 @@ def test_bad_topology_is_named():
     assert aot._torus(64, 3, "v5p-128") == (4, 4, 4)
     assert aot._torus(256, 2, "v6e-256") == (16, 16)
     assert aot._torus(128, 3, "v5p-256") == (4, 4, 8)
+
+
+def test_batch_sizes_are_checked_against_the_slice_before_compiling():
+    c = overrides.apply(dapo.get_config("tiny"), {"train.micro_batch_size": 24})
+    with pytest.raises(ConfigError, match=r"^train.micro_batch_size 24: .* over the 8 devices .* 16 and 32$"):
+        aot.analyse(c, "cpu:8", None, ["train"])
