@@ -99,11 +99,11 @@ def prefill_pages(model: Transformer, params, prompt_PxL, mask_PxL, geo: Geometr
     return [pool.at[:a].set(_as_pages(c, pad_P, geo, transposed)) for pool, c in zip(pools, caches)]
 
 
-def copy_pages(pools, src_X, dst_X):
-    """Pools with page `src_X[x]` copied to page `dst_X[x]` in every layer (dst M: no copy)."""
+def copy_pages(pools, src_S, dst_S):
+    """Pools with page `src_S[s]` copied to page `dst_S[s]` in every layer (dst M: no copy)."""
     if isinstance(pools, list):
-        return [pool.at[dst_X].set(pool[src_X], mode="drop") for pool in pools]
-    return pools.at[:, dst_X].set(pools[:, src_X], mode="drop")
+        return [pool.at[dst_S].set(pool[src_S], mode="drop") for pool in pools]
+    return pools.at[:, dst_S].set(pools[:, src_S], mode="drop")
 
 
 class Prompts(NamedTuple):
@@ -149,10 +149,10 @@ def _take_pages(st: EngineState, need_S, column_S, geo: Geometry):
 def _give_back(st: EngineState, release_S, own_from_S, held_S, geo: Geometry) -> EngineState:
     """Releasing slots' own pages (table columns own_from_S .. held_S - 1) pushed on the free list."""
     i_I = jnp.arange(geo.table_pages)
-    mask_X = (release_S[:, None] & (i_I >= own_from_S[:, None]) & (i_I < held_S[:, None])).ravel()
-    at_X = jnp.where(mask_X, st.free_top + jnp.cumsum(mask_X) - 1, geo.pool_pages)
-    free_M = st.free_M.at[at_X].set(st.table_SxI.ravel(), mode="drop")
-    return st._replace(free_M=free_M, free_top=st.free_top + mask_X.sum())
+    mask_A = (release_S[:, None] & (i_I >= own_from_S[:, None]) & (i_I < held_S[:, None])).ravel()
+    at_A = jnp.where(mask_A, st.free_top + jnp.cumsum(mask_A) - 1, geo.pool_pages)
+    free_M = st.free_M.at[at_A].set(st.table_SxI.ravel(), mode="drop")
+    return st._replace(free_M=free_M, free_top=st.free_top + mask_A.sum())
 
 
 def _start_rows(st: EngineState, prompts: Prompts, group: int, geo: Geometry) -> EngineState:

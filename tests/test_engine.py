@@ -67,23 +67,23 @@ def test_engine_equals_the_fixed_batch(qwen2_dir, single, scan_layers, transpose
         )
 
 
-def test_a_pool_a_quarter_of_rows_times_length_completes_the_batch(qwen2_dir, single):
+@pytest.mark.parametrize("pages", [32, pytest.param(17, marks=pytest.mark.slow)])
+def test_a_pool_a_quarter_of_rows_times_length_completes_the_batch(qwen2_dir, single, pages):
     """16 rows of up to 8 + 24 keys (8 pages of 4 each, 128 pages in all) in a pool of 32 pages,
-    8 of them the prompts', then in the smallest pool allowed (17): rows wait for pages and give
-    theirs back, and every row still gets the fixed batch's tokens and log-probs."""
+    8 of them the prompts', or in the smallest pool allowed (17): rows wait for pages (and in the
+    smallest, give theirs back), and every row still gets the fixed batch's tokens and log-probs."""
     m, params = _load(qwen2_dir, single)
     prompt, mask = _prompts([8, 3, 6, 5], 8, seed=3)
     uids, key = np.arange(4, dtype=np.int32), jax.random.key(2)
     cfg = _config(max_new_tokens=24)  # no end id: every row holds 8 pages at its end
     fixed = _generate(m, params, cfg, single, prompt, mask, 4, key, uids)
     u_BxN = sampler._row_uniforms(key, uids, 4, 24)
-    for pages in (32, 17):
-        paged = dataclasses.replace(cfg, paged=True, decode_slots=8, page_size=4, kv_pages=pages)
-        geo = engine.geometry(paged, 4, 4, 8)
-        assert geo.rows * geo.table_pages >= 4 * geo.pool_pages
-        run = jax.jit(lambda p, x, k, u, c=paged: engine.paged_rollout(m, c, 4, p, x, k, u))
-        out, stats = jax.device_get(run(params, prompt, mask, u_BxN))
-        _assert_same_rows(out, fixed, f"{pages} pages")
-        assert stats["waits"] > 0 and (pages > 17 or stats["preemptions"] > 0), stats
+    paged = dataclasses.replace(cfg, paged=True, decode_slots=8, page_size=4, kv_pages=pages)
+    geo = engine.geometry(paged, 4, 4, 8)
+    assert geo.rows * geo.table_pages >= 4 * geo.pool_pages
+    run = jax.jit(lambda p, x, k, u: engine.paged_rollout(m, paged, 4, p, x, k, u))
+    out, stats = jax.device_get(run(params, prompt, mask, u_BxN))
+    _assert_same_rows(out, fixed, f"{pages} pages")
+    assert stats["waits"] > 0 and (pages > 17 or stats["preemptions"] > 0), stats
     with pytest.raises(ValueError, match="kv_pages = 16 cannot hold"):
         engine.geometry(dataclasses.replace(paged, kv_pages=16), 4, 4, 8)
