@@ -39,6 +39,9 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
     c.reference = dict(path="")  # β = 0: no reference model is loaded or run
     c.mesh = dict(data=1, fsdp=-1, tensor=8)  # v5p-128: 64 chips = fsdp 8 x tensor 8 (aot.py)
     c.cpu_devices = 0  # XLA:CPU devices a host's CPU is split into (0: JAX's one); see tiny()
+    # Compiled programs kept across relaunches and hosts ("": <workdir>/compilation_cache, or the
+    # environment's JAX_COMPILATION_CACHE_DIR; a gs:// folder is shared by every host of a slice)
+    c.compilation_cache_dir = ""
     c.data = dict(
         train_files=("/data/dapo-math-17k.parquet",),
         eval_files=("/data/aime-2024.parquet",),
@@ -72,7 +75,7 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
     c.loss = common.dapo_loss()
     # Warm-up over 20 rollout steps (the paper); the recipe's script sets 10 and its scheduler
     # steps once per rollout step, the first at lr 0. Here lr rises linearly over the
-    # 20 x 16 updates, the first of them already at lr / 320 (dapo_jax.run.learning_rate_schedule).
+    # 20 x 16 updates, the first of them already at lr / 320 (dapo_jax.programs.learning_rate_schedule).
     c.optim = dict(
         lr=1e-6,
         warmup_rollout_steps=20,
@@ -94,7 +97,16 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
     )
     c.checkpoint = dict(every=10, keep=3, asynchronous=True)
     c.eval = dict(
-        every=20, samples=32, temperature=1.0, top_p=0.7, max_problems=0, batch_prompts=32, at_start=True
+        every=20,
+        samples=32,
+        temperature=1.0,
+        top_p=0.7,
+        max_problems=0,
+        batch_prompts=32,
+        # prompts decoded at once: 16 x 32 samples = 512 rows, the rollout micro-batch's rows and
+        # KV cache (all 32 x 32 at once: ~82 GiB of cache per v5p chip)
+        micro_batch_prompts=16,
+        at_start=True,
     )
     c.export = dict(dtype="bfloat16")
     c.metrics = dict(
@@ -154,6 +166,7 @@ def tiny() -> ml_collections.ConfigDict:
     # The 2-core CPU as 2 XLA devices, the data axis across them (sharding.use_cpu_devices):
     # the peer benchmark's 256-token step 4.5 -> 3.1-3.3 s (experiments/README.md).
     c.cpu_devices = 2
+    c.compilation_cache_dir = ""  # "": <workdir>/compilation_cache (run.use_compilation_cache)
     c.data = dict(
         train_files=(common.SYNTHETIC_TRAIN,),
         eval_files=(common.SYNTHETIC_TEST,),
@@ -214,7 +227,14 @@ def tiny() -> ml_collections.ConfigDict:
     # Held-out at T = 1, top_p = 1 (the paper validates at top_p 0.7): the policy as it samples,
     # so the demo's before and after measure what RL trains.
     c.eval = dict(
-        every=10, samples=4, temperature=1.0, top_p=1.0, max_problems=0, batch_prompts=125, at_start=True
+        every=10,
+        samples=4,
+        temperature=1.0,
+        top_p=1.0,
+        max_problems=0,
+        batch_prompts=125,
+        micro_batch_prompts=0,  # prompts decoded at once (0: all eval.batch_prompts)
+        at_start=True,
     )
     c.export = dict(dtype="float32")
     c.metrics = dict(

@@ -3,16 +3,19 @@
     python -m dapo_jax.aot --config=configs/dapo.py:qwen2_5_32b --topology=v5p-128
     python -m dapo_jax.aot --config=configs/dapo.py:tiny --topology=cpu:8 --hbm_gib=0.01
 
-The run's mesh is built over abstract devices (`jax.experimental.topologies`, which needs libtpu:
-the `tpu` extra; `cpu:N` takes N host devices instead), and the train step, the log-prob pass, the
-prefill and the rollout (prefill + decode loop) are lowered on ShapeDtypeStructs with their
-shardings and compiled by the real compiler: no weight is read or allocated. `train_packed` and
-`logprobs_packed` are the train step and the log-prob pass on packed rows (`train.pack`) of a
-synthetic batch at DAPO's lengths (`dapo_lengths`). Per program it prints
-per-chip argument / output / temporary memory against the chip's HBM, FLOPs, and the time they
-imply at the chip's peak FLOP/s and HBM bandwidth; then the KV cache and the HBM bytes each decoded
-token reads under the trainer's FSDP layout and under a tensor-parallel rollout layout. It exits 1
-with a one-line message when a program does not fit.
+The run's meshes and programs are built by `programs.build`, as a run builds them, over abstract
+devices (`jax.experimental.topologies`, which needs libtpu: the `tpu` extra; `cpu:N` takes N host
+devices instead): the train step, the log-prob pass, the rollout's sampler program (one rollout
+micro-batch, on the rollout's mesh, in its dtypes), the evaluation's (one eval micro-batch) and the
+rollout weights' cast are lowered on their abstract inputs (`programs.abstract_inputs`:
+ShapeDtypeStructs with shardings) and compiled by the real compiler: no weight is read or
+allocated. `train_packed` and `logprobs_packed` are the train step and the log-prob pass on packed
+rows (`train.pack`) of a synthetic batch at DAPO's lengths (`dapo_lengths`). Per program it prints
+per-chip argument / output / temporary memory, plus what stays resident beside it (the train
+state: params and AdamW moments; the rollout weights' copy during the samplers' programs), against
+the chip's HBM, FLOPs and the time they imply at the chip's peak; then the KV cache and the HBM
+bytes each decoded token reads under the trainer's FSDP layout and under a tensor-parallel rollout
+layout. It exits 1 with a one-line message when a program does not fit.
 
 FLOPs. XLA's cost analysis counts a loop body once (the scanned layers, the micro-batch scan, the
 decode loop), so the FLOPs and times below are the model's, counted by hand (`model_flops`); the
@@ -22,7 +25,6 @@ bytes per decoded token come from cost analysis of one decode step at 1 and 2 la
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -36,7 +38,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from dapo_jax import hf_io, model, packing, run, sampler, sharding, sizes, train_step
+from dapo_jax import hf_io, model, packing, programs, run, sampler, sharding, sizes, train_step
 from dapo_jax.errors import ConfigError
 
 GIB = 2**30
@@ -166,41 +168,6 @@ def model_config(c) -> model.ModelConfig:
     return hf_io.config_from_hf(hf, source=path, **run.model_numerics(c))
 
 
-class Shapes(NamedTuple):
-    """The run's array sizes."""
-
-    train_rows: int  # rows of one optimizer mini-batch
-    logprob_rows: int  # rows of a rollout batch (the log-prob pass)
-    length: int  # T = longest prompt bucket + L_max, rounded up to the length bucket
-    prompts: int  # prompts of one rollout micro-batch
-    prompt_len: int  # L, the longest prompt bucket
-    group: int  # G
-    new_tokens: int  # N
-
-
-def run_shapes(c) -> Shapes:
-    g, t = c.rollout.group_size, c.train
-    bucket = t.length_bucket
-    length = -(-(max(c.data.prompt_buckets) + c.rollout.max_new_tokens) // bucket) * bucket
-    return Shapes(
-        t.mini_batch_prompts * g,
-        t.train_batch_prompts * g,
-        length,
-        c.rollout.micro_batch_prompts or c.filter.gen_batch_prompts,
-        max(c.data.prompt_buckets),
-        g,
-        c.rollout.max_new_tokens,
-    )
-
-
-def _abstract(tree, shardings):
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
-
-
-def _rows(mesh, shape, dtype):
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.batch_sharding(mesh, len(shape)))
-
-
 def model_flops(cfg: model.ModelConfig, tokens: int, context: float) -> float:
     """Forward FLOPs of `tokens` tokens each attending over `context` keys: 2 per weight
     (embedding lookup excluded) plus q.k and p.v, 4 x heads x head_dim per key per layer."""
@@ -209,7 +176,9 @@ def model_flops(cfg: model.ModelConfig, tokens: int, context: float) -> float:
     return tokens * (2 * weights + attention)
 
 
-def _report(name, compiled, chip: Chip, hbm_gib: float, flops: float, hbm_bytes: float, seconds):
+def _report(name, compiled, chip: Chip, hbm_gib: float, flops: float, resident: float, seconds):
+    """One program's row: its per-chip memory (arguments, outputs, temporaries, less the outputs
+    aliased to donated arguments) plus `resident` bytes held beside it, against the chip's HBM."""
     m = compiled.memory_analysis()
     total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
     row = dict(
@@ -218,20 +187,19 @@ def _report(name, compiled, chip: Chip, hbm_gib: float, flops: float, hbm_bytes:
         out_gib=m.output_size_in_bytes / GIB,
         temp_gib=m.temp_size_in_bytes / GIB,
         alias_gib=m.alias_size_in_bytes / GIB,
-        total_gib=total / GIB,
+        resident_gib=resident / GIB,
+        total_gib=(total + resident) / GIB,
         hbm_gib=hbm_gib,
         tflops_per_chip=flops / 1e12,
         flop_s=flops / (chip.peak_tflops * 1e12),
-        hbm_s=hbm_bytes / (chip.hbm_gbps * 1e9),
         compile_s=seconds[0],
         compile_cpu_s=seconds[1],
     )
     print(
         f"{name:9s} args {row['args_gib']:7.2f}  out {row['out_gib']:7.2f}  temp "
-        f"{row['temp_gib']:7.2f}  alias {row['alias_gib']:7.2f}  total {row['total_gib']:7.2f} "
-        f"/ {hbm_gib:g} GiB  {row['tflops_per_chip']:10.1f} TFLOP/chip  "
-        f"{row['flop_s']:8.2f} s at peak  {row['hbm_s']:7.3f} s HBM  "
-        f"(compiled in {seconds[0]:.0f} s, {seconds[1]:.0f} CPU-s)",
+        f"{row['temp_gib']:7.2f}  alias {row['alias_gib']:7.2f}  resident {row['resident_gib']:6.2f}  "
+        f"total {row['total_gib']:7.2f} / {hbm_gib:g} GiB  {row['tflops_per_chip']:10.1f} TFLOP/chip  "
+        f"{row['flop_s']:8.2f} s at peak  (compiled in {seconds[0]:.0f} s, {seconds[1]:.0f} CPU-s)",
         flush=True,
     )
     return row
@@ -245,169 +213,30 @@ def _compile(lowered_fn):
     return compiled, (time.perf_counter() - start, time.process_time() - cpu)
 
 
-def _train(m, c, mesh, shapes: Shapes):
-    optimizer, schedule = run.make_optimizer(c)
-    step = train_step.make_train_step(
-        m, optimizer, schedule, run.loss_config(c), mesh, shapes.train_rows // c.train.micro_batch_size
-    )
-    abstract = jax.eval_shape(
-        lambda p: train_step.TrainState(jnp.zeros((), jnp.int32), p, optimizer.init(p)),
-        sharding.abstract_params(m),
-    )
-    state = _abstract(abstract, train_step.state_shardings(m, optimizer, mesh))
-    bt = (shapes.train_rows, shapes.length)
-    batch = train_step.Batch(
-        _rows(mesh, bt, jnp.int32),
-        _rows(mesh, bt, bool),
-        _rows(mesh, bt, bool),
-        _rows(mesh, bt[:1], jnp.float32),
-        _rows(mesh, bt, jnp.float32),
-        None,
-    )
-    passes = 4 if m.config.remat else 3  # forward, backward (2x), and remat's second forward
-    flops = passes * model_flops(m.config, math.prod(bt), shapes.length / 2)
-    return lambda: step.lower(state, batch), flops
+def program_flops(cfg: model.ModelConfig, c) -> dict[str, float]:
+    """Each program's FLOPs over the whole slice, counted by hand: the train step's forward,
+    backward (2x) and remat's second forward over a mini-batch; the log-prob pass's forward over
+    a rollout batch; a sampler's prefill of its prompts and its decode of every row to L_max."""
+    s = programs.program_sizes(c)
+    passes = 4 if cfg.remat else 3
 
+    def sampler(prompts, n):
+        l, new = s.prompt_len, c.rollout.max_new_tokens
+        return model_flops(cfg, prompts * l, l / 2) + model_flops(cfg, prompts * n * new, l + new / 2)
 
-def _params(m, mesh, dtype=None):
-    abstract = sharding.abstract_params(m)
-    if dtype is not None:
-        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dtype), abstract)
-    return _abstract(abstract, sharding.param_shardings(m, mesh))
-
-
-def _logprobs(m, c, mesh, shapes: Shapes):
-    fn = train_step.make_compute_logprobs(
-        m, mesh, c.rollout.temperature, shapes.logprob_rows // c.train.micro_batch_size
-    )
-    bt = (shapes.logprob_rows, shapes.length)
-    flops = model_flops(m.config, math.prod(bt), shapes.length / 2)
-    return (lambda: fn.lower(_params(m, mesh), _rows(mesh, bt, jnp.int32), _rows(mesh, bt, bool)), flops)
-
-
-def _sampling(c, shapes: Shapes) -> sampler.SamplingConfig:
-    return sampler.SamplingConfig(
-        max_new_tokens=shapes.new_tokens,
-        eos_ids=(0,),
-        pad_id=0,
-        prompt_buckets=tuple(c.data.prompt_buckets),
-        temperature=c.rollout.temperature,
-        top_p=c.rollout.top_p,
-        top_k=c.rollout.top_k,
-        decode_slots=c.rollout.decode_slots,
-        decode_chunks=c.rollout.decode_chunks,
-        paged=c.rollout.paged,
-        page_size=c.rollout.page_size,
-        kv_pages=c.rollout.kv_pages,
-    )
-
-
-def _on_mesh(mesh, fn):
-    def lower():
-        with sharding.activate(mesh):
-            return fn()
-
-    return lower
-
-
-def _prefill(m, c, mesh, shapes: Shapes):
-    p, l = shapes.prompts, shapes.prompt_len
-    slots = sampler.decode_phases(_sampling(c, shapes), l)[0][1]
-    rep = sharding.replicated(mesh)
-    fn = jax.jit(
-        lambda prm, t, k: sampler._constrain_caches(sampler.prefill(m, prm, t, k, slots), m.config),
-        in_shardings=(sharding.param_shardings(m, mesh), rep, rep),
-    )
-    args = (
-        _params(m, mesh),
-        jax.ShapeDtypeStruct((p, l - 1), jnp.int32),
-        jax.ShapeDtypeStruct((p, l - 1), bool),
-    )
-    return _on_mesh(mesh, lambda: fn.lower(*args)), model_flops(m.config, p * l, l / 2)
-
-
-def _rollout(m, c, mesh, shapes: Shapes):
-    p, l, g, n = shapes.prompts, shapes.prompt_len, shapes.group, shapes.new_tokens
-    rep = sharding.replicated(mesh)
-    out = {
-        k: sharding.batch_sharding(mesh, 1 if k in ("length", "truncated") else 2)
-        for k in ("tokens", "logp", "mask", "length", "truncated")
+    return {
+        "train": passes * model_flops(cfg, s.train_rows * s.length, s.length / 2),
+        "logprobs": model_flops(cfg, s.logprob_rows * s.length, s.length / 2),
+        "rollout": sampler(s.rollout_prompts, s.group),
+        "eval": sampler(s.eval_prompts, s.eval_samples),
+        "cast": 0.0,
     }
-    fn = jax.jit(
-        functools.partial(sampler.rollout, m, _sampling(c, shapes), g),
-        in_shardings=(sharding.param_shardings(m, mesh), rep, rep, rep, rep),
-        out_shardings=out,
-    )
-    args = (
-        _params(m, mesh),
-        jax.ShapeDtypeStruct((p, l), jnp.int32),
-        jax.ShapeDtypeStruct((p, l), bool),
-        jax.ShapeDtypeStruct((p,), jnp.int32),
-        jax.eval_shape(lambda: jax.random.key(0)),
-    )
-    flops = model_flops(m.config, p * l, l / 2) + model_flops(m.config, p * g * n, l + n / 2)
-    return _on_mesh(mesh, lambda: fn.lower(*args)), flops
 
 
-def dapo_lengths(rows: int, prompt_len: int, new_tokens: int, seed: int = 0) -> np.ndarray:
-    """Real tokens (prompt + response) of `rows` synthetic rows at DAPO's length distribution:
-    4% of responses at L_max, the others exponential with mean 0.17 L_max (below L_max), a mean
-    response of ~0.2 L_max (4.1k of 20,480); prompts uniform in [L / 16, L / 8] of the longest
-    prompt bucket L (DAPO-Math's prompts: a few hundred tokens of 2,048)."""
-    rng = np.random.default_rng(seed)
-    response_B = np.minimum(rng.exponential(0.17 * new_tokens, rows).astype(int) + 1, new_tokens - 1)
-    response_B[rng.random(rows) < 0.04] = new_tokens
-    return rng.integers(prompt_len // 16, prompt_len // 8 + 1, rows) + response_B
-
-
-def packed_shapes(c, shapes: Shapes) -> tuple[int, int]:
-    """`(train rows, log-prob rows)` of the packed programs (train.pack) on `dapo_lengths`."""
-    lengths = dapo_lengths(shapes.logprob_rows, shapes.prompt_len, shapes.new_tokens)
-    micro, k = c.train.micro_batch_size, shapes.logprob_rows // shapes.train_rows
-    train = packing.packed_rows(lengths[: shapes.train_rows], shapes.length, 1, micro)
-    return train, k * packing.packed_rows(lengths, shapes.length, k, micro)
-
-
-def _train_packed(m, c, mesh, shapes: Shapes):
-    """The update of a packed mini-batch (train.pack) of `dapo_lengths`."""
-    optimizer, schedule = run.make_optimizer(c)
-    step = train_step.make_train_step(
-        m, optimizer, schedule, run.loss_config(c), mesh, 0, micro_rows=c.train.micro_batch_size
-    )
-    abstract = jax.eval_shape(
-        lambda p: train_step.TrainState(jnp.zeros((), jnp.int32), p, optimizer.init(p)),
-        sharding.abstract_params(m),
-    )
-    state = _abstract(abstract, train_step.state_shardings(m, optimizer, mesh))
-    ut = (packed_shapes(c, shapes)[0], shapes.length)
-    batch = train_step.Batch(
-        *(_rows(mesh, ut, dtype) for dtype in (jnp.int32, jnp.int32, bool, jnp.float32, jnp.float32)), None
-    )
-    passes = 4 if m.config.remat else 3
-    print(f"train_packed: {ut[0]} packed rows of {ut[1]} for {shapes.train_rows} responses", flush=True)
-    return lambda: step.lower(state, batch), passes * model_flops(m.config, math.prod(ut), shapes.length / 2)
-
-
-def _logprobs_packed(m, c, mesh, shapes: Shapes):
-    """The log-prob pass of a packed rollout batch (train.pack) of `dapo_lengths`."""
-    fn = train_step.make_compute_logprobs(
-        m, mesh, c.rollout.temperature, 0, micro_rows=c.train.micro_batch_size
-    )
-    ut = (packed_shapes(c, shapes)[1], shapes.length)
-    print(f"logprobs_packed: {ut[0]} packed rows of {ut[1]} for {shapes.logprob_rows} responses", flush=True)
-    flops = model_flops(m.config, math.prod(ut), shapes.length / 2)
-    rows = _rows(mesh, ut, jnp.int32)
-    return (lambda: fn.lower(_params(m, mesh), rows, rows), flops)
-
-
-PROGRAMS = {
-    "train": _train,
-    "logprobs": _logprobs,
-    "train_packed": _train_packed,
-    "logprobs_packed": _logprobs_packed,
-    "prefill": _prefill,
-    "rollout": _rollout,
-}
+def _params(m, mesh, dtype):
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dtype), sharding.abstract_params(m))
+    shardings = sharding.param_shardings(m, mesh)
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
 
 def _decode_step_bytes(cfg: model.ModelConfig, mesh, rows: int, slots: int, dtype) -> float:
@@ -423,7 +252,11 @@ def _decode_step_bytes(cfg: model.ModelConfig, mesh, rows: int, slots: int, dtyp
             sampler.cache_logical_axes(cfg),
             is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x),
         )
-        caches = _abstract(jax.eval_shape(lambda m=m: model.init_cache(m.config, rows, slots)), cache_sh)
+        caches = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            jax.eval_shape(lambda m=m: model.init_cache(m.config, rows, slots)),
+            cache_sh,
+        )
         fn = jax.jit(
             lambda p, t, pos, a, kv, m=m: sampler.decode_step(
                 m, p, t, pos, a, kv, jnp.full((rows,), slots - 1)
@@ -445,11 +278,12 @@ def _decode_step_bytes(cfg: model.ModelConfig, mesh, rows: int, slots: int, dtyp
     return measured[0] + per_layer * (cfg.num_layers - 1)
 
 
-def decode_layouts(cfg, c, mesh, devices, shapes: Shapes, chip: Chip) -> list[dict]:
+def decode_layouts(cfg, c, mesh, devices, chip: Chip) -> list[dict]:
     """The KV cache, and the bytes per decoded token under the trainer's layout (its mesh, f32
     FSDP weights all-gathered every step) and a tensor-parallel rollout layout (bf16 weights
     over `tensor` chips only, replicated across data groups)."""
-    rows, slots = shapes.prompts * shapes.group, shapes.prompt_len + shapes.new_tokens
+    s, new_tokens = programs.program_sizes(c), c.rollout.max_new_tokens
+    rows, slots = s.rollout_prompts * s.group, s.prompt_len + new_tokens
     kv_bytes = 2 * cfg.num_layers * rows * cfg.num_kv_heads * slots * cfg.head_dim * 2
     n, tp = len(devices), mesh.shape["tensor"]
     tp_mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": tp}, devices)
@@ -470,7 +304,7 @@ def decode_layouts(cfg, c, mesh, devices, shapes: Shapes, chip: Chip) -> list[di
                 hbm_bytes_per_token=step * n / rows,
                 ici_gather_gib_per_step=gathered * (fsdp - 1) / fsdp / GIB,
                 step_hbm_s=step / (chip.hbm_gbps * 1e9),
-                decode_hbm_s=shapes.new_tokens * step / (chip.hbm_gbps * 1e9),
+                decode_hbm_s=new_tokens * step / (chip.hbm_gbps * 1e9),
             )
         )
     print(
@@ -504,33 +338,88 @@ def check_fit(rows: list[dict]) -> str | None:
     return None
 
 
-def analyse(c, topology: str, hbm_gib: float | None, programs) -> tuple[list[dict], str | None]:
-    """Compile `programs` of the config `c` for `topology`, one at a time; print and return the
-    rows, and the complaint of `check_fit`."""
+def dapo_lengths(rows: int, prompt_len: int, new_tokens: int, seed: int = 0) -> np.ndarray:
+    """Real tokens (prompt + response) of `rows` synthetic rows at DAPO's length distribution:
+    4% of responses at L_max, the others exponential with mean 0.17 L_max (below L_max), a mean
+    response of ~0.2 L_max (4.1k of 20,480); prompts uniform in [L / 16, L / 8] of the longest
+    prompt bucket L (DAPO-Math's prompts: a few hundred tokens of 2,048)."""
+    rng = np.random.default_rng(seed)
+    response_B = np.minimum(rng.exponential(0.17 * new_tokens, rows).astype(int) + 1, new_tokens - 1)
+    response_B[rng.random(rows) < 0.04] = new_tokens
+    return rng.integers(prompt_len // 16, prompt_len // 8 + 1, rows) + response_B
+
+
+def packed_shapes(c, s: programs.ProgramSizes) -> tuple[int, int]:
+    """`(train rows, log-prob rows)` of the packed programs (train.pack) on `dapo_lengths`."""
+    lengths = dapo_lengths(s.logprob_rows, s.prompt_len, c.rollout.max_new_tokens)
+    micro, k = c.train.micro_batch_size, s.logprob_rows // s.train_rows
+    train = packing.packed_rows(lengths[: s.train_rows], s.length, 1, micro)
+    return train, k * packing.packed_rows(lengths, s.length, k, micro)
+
+
+def packed_inputs(p: programs.Programs, c, cfg: model.ModelConfig) -> dict:
+    """`{name: (Lowerable, FLOPs)}` of `train_packed` and `logprobs_packed`: the run's train step
+    and log-prob pass with train.pack, on the packed rows of a `dapo_lengths` batch."""
+    s, packed = programs.program_sizes(c), c.copy_and_resolve_references()
+    packed.train.pack = True
+    _, step, logprobs = programs.update_fns(packed, p.model, p.mesh)
+    train_rows, logprob_rows = packed_shapes(c, s)
+
+    def rows(n, dtype):
+        return jax.ShapeDtypeStruct((n, s.length), dtype, sharding=sharding.batch_sharding(p.mesh, 2))
+
+    dtypes = (jnp.int32, jnp.int32, bool, jnp.float32, jnp.float32)  # segment ids, A_i per token
+    batch = train_step.Batch(*(rows(train_rows, d) for d in dtypes), None)
+    state, passes = p.abstract_state(), 4 if cfg.remat else 3
+    print(f"packed: {train_rows} rows a mini-batch, {logprob_rows} a rollout batch", flush=True)
+    tokens = rows(logprob_rows, jnp.int32)
+    return {
+        "train_packed": (
+            programs.Lowerable(step, (state, batch), ()),
+            passes * model_flops(cfg, train_rows * s.length, s.length / 2),
+        ),
+        "logprobs_packed": (
+            programs.Lowerable(logprobs, (state.params, tokens, tokens), (state.opt_state,)),
+            model_flops(cfg, logprob_rows * s.length, s.length / 2),
+        ),
+    }
+
+
+PROGRAMS = ("train", "logprobs", "rollout", "eval", "cast", "train_packed", "logprobs_packed")
+
+
+def analyse(c, topology: str, hbm_gib: float | None, names) -> tuple[list[dict], str | None]:
+    """Compile the run's programs `names` (of `PROGRAMS`, and "decode": the layouts' bytes per
+    decoded token) of the config `c` for `topology`, one at a time, as `programs.build` makes
+    them for a run; print and return the rows, and the complaint of `check_fit`."""
     run.check_ranges(c)
+    unknown = sorted(set(names) - {*PROGRAMS, "decode"})
+    if unknown:
+        raise ConfigError(f"--programs: {unknown} not among {[*PROGRAMS, 'decode']}")
     kind, devices = topology_devices(topology)
     sizes.check_batch_sizes(c, len(devices))  # the batch keys against this slice's chips
     chip = CHIPS[kind]
     hbm_gib = chip.hbm_gib if hbm_gib is None else hbm_gib
-    mesh = sharding.make_mesh(c.mesh, devices)
     cfg = model_config(c)
-    m, shapes = model.Transformer(cfg), run_shapes(c)
+    p = programs.build(c, cfg, (0,), 0, devices)
     print(
-        f"{topology}: {len(devices)} chips, mesh {dict(mesh.shape)}, {cfg.num_params() / 1e9:.2f}"
-        f"B params, compute {cfg.dtype}, {shapes}",
+        f"{topology}: {len(devices)} chips, mesh {dict(p.mesh.shape)}, rollout mesh "
+        f"{dict(p.rollout_mesh.shape)} in {p.rollout_model.config.param_dtype}, "
+        f"{cfg.num_params() / 1e9:.2f}B params, compute {cfg.dtype}, {programs.program_sizes(c)}",
         flush=True,
     )
+    inputs, flops = programs.abstract_inputs(p, c), program_flops(cfg, c)
+    if {"train_packed", "logprobs_packed"} & set(names):
+        for name, (lowerable, count) in packed_inputs(p, c, cfg).items():
+            inputs[name], flops[name] = lowerable, count
     rows = []
-    for name in programs:
-        if name == "decode":
-            continue
-        if name not in PROGRAMS:
-            raise ConfigError(f"--programs: {name!r} is not one of {sorted(PROGRAMS) + ['decode']}")
-        lower, flops = PROGRAMS[name](m, c, mesh, shapes)
-        compiled, seconds = _compile(lower)
-        rows.append(_report(name, compiled, chip, hbm_gib, flops / len(devices), 0.0, seconds))
-    if "decode" in programs:
-        rows_decode = decode_layouts(cfg, c, mesh, devices, shapes, chip)
+    for name in (n for n in PROGRAMS if n in names and n in inputs):
+        fn, args, resident = inputs[name]
+        compiled, seconds = _compile(lambda fn=fn, args=args: fn.lower(*args))
+        resident = programs.per_chip_bytes(resident)
+        rows.append(_report(name, compiled, chip, hbm_gib, flops[name] / len(devices), resident, seconds))
+    if "decode" in names:
+        rows_decode = decode_layouts(cfg, c, p.mesh, devices, chip)
         rows.append(dict(program="decode", layouts=rows_decode, total_gib=0.0, hbm_gib=hbm_gib))
     return rows, check_fit(rows)
 
@@ -546,8 +435,8 @@ def _define_flags():
     flags.DEFINE_float("hbm_gib", None, "per-chip memory to check against (default: the chip's)")
     flags.DEFINE_list(
         "programs",
-        "train,logprobs,prefill,rollout,decode",
-        f"which programs to compile, of {sorted(PROGRAMS) + ['decode']}",
+        "train,logprobs,rollout,eval,cast,decode",
+        f"which programs to compile, of {[*PROGRAMS, 'decode']}",
     )
 
 

@@ -7,12 +7,10 @@ Every knob comes from the config (configs/*.py); nothing here has a default of i
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib.util
 import os
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 from absl import logging
 from etils import epath
@@ -27,6 +25,8 @@ from dapo_jax import (
     model,
     objective,
     overrides,
+    paths,
+    programs,
     rewards,
     rollout,
     sharding,
@@ -34,7 +34,7 @@ from dapo_jax import (
     train_step,
 )
 from dapo_jax.errors import ConfigError
-from dapo_jax.sampler import Sampler, SamplingConfig, rollout_params
+from dapo_jax.sampler import Sampler
 
 # The range of every numeric knob, as an interval: "[a, b)" includes a and excludes b.
 _RANGES = {
@@ -81,6 +81,7 @@ _RANGES = {
     "eval.top_p": "(0, 1]",
     "eval.max_problems": "[0, inf)",
     "eval.batch_prompts": "[1, inf)",
+    "eval.micro_batch_prompts": "[0, inf)",
     "model.attention_chunk": "[0, inf)",
     "model.logits_chunk": "[0, inf)",
     "rollout.micro_batch_prompts": "[0, inf)",
@@ -126,6 +127,7 @@ def check_config(c: ml_collections.ConfigDict, num_devices: int | None = None) -
     check_ranges(c)
     _check_paths(c)
     _check_sizes(c, num_devices)
+    _check_micro_batches(c)
     if 0 < c.loss.clip_ratio_c <= 1:
         raise ConfigError(f"loss.clip_ratio_c must be 0 (off) or > 1, got {c.loss.clip_ratio_c}")
     if not hasattr(jax.checkpoint_policies, c.model.remat_policy):
@@ -142,7 +144,7 @@ def check_config(c: ml_collections.ConfigDict, num_devices: int | None = None) -
     if c.loss.agg_mode not in objective.AGG_MODES:
         raise ConfigError(f"loss.agg_mode {c.loss.agg_mode!r} is not one of {objective.AGG_MODES}")
     for section, make in (
-        ("loss", lambda: loss_config(c)),
+        ("loss", lambda: programs.loss_config(c)),
         ("reward", lambda: rewards.get_reward_fn(c.reward.fn)),
         ("filter", lambda: make_filter(c)),
     ):
@@ -197,6 +199,15 @@ def _check_sizes(c: ml_collections.ConfigDict, num_devices: int | None) -> None:
         sharding.use_cpu_devices(c.cpu_devices)
         num_devices = jax.device_count()
     sizes.check_batch_sizes(c, num_devices)
+
+
+def _check_micro_batches(c: ml_collections.ConfigDict) -> None:
+    """An eval batch splits into whole micro-batches: one compiled eval program."""
+    if c.eval.micro_batch_prompts and c.eval.batch_prompts % c.eval.micro_batch_prompts:
+        raise ConfigError(
+            f"eval.batch_prompts {c.eval.batch_prompts} is not a multiple of "
+            f"eval.micro_batch_prompts {c.eval.micro_batch_prompts}"
+        )
 
 
 def _check_old_logp(c: ml_collections.ConfigDict) -> None:
@@ -272,24 +283,18 @@ class Run:
     logprobs_fn: object  # (params, tokens, mask) -> log pi(token_t | tokens_<t)
     sampler: Sampler
     eval_sampler: Sampler
-    rollout_weights: object  # trainer params -> the samplers' params (`sampler_weights`)
+    rollout_weights: object  # trainer params -> the samplers' params (`Programs.rollout_weights`)
     scorer: hosts.SplitScorer  # a RewardScorer's rows split over the processes
     shaping: rollout.RewardShaping
     train_examples: list  # in load order; `data.PromptIterator` draws from them
     eval_examples: list
     ref_params: object = None
 
+    programs: programs.Programs | None = None  # what the fields above came from
+
     def abstract_state(self) -> train_step.TrainState:
         """The train state as ShapeDtypeStructs with their shardings: a checkpoint's restore target."""
-        abstract = jax.eval_shape(
-            lambda p: train_step.TrainState(jnp.zeros((), jnp.int32), p, self.optimizer.init(p)),
-            sharding.abstract_params(self.model),
-        )
-        return jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            abstract,
-            train_step.state_shardings(self.model, self.optimizer, self.mesh),
-        )
+        return self.programs.abstract_state()
 
 
 def load_config_file(path: str):
@@ -301,23 +306,6 @@ def load_config_file(path: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def learning_rate_schedule(c: ml_collections.ConfigDict):
-    """lr as a function of the optimizer update, from the config's rollout-step counts.
-
-    The one place where rollout steps become updates: k = train_batch_prompts /
-    mini_batch_prompts updates a rollout step, so the warm-up lasts warmup_rollout_steps x k
-    updates (update 0 already at lr / (warmup_rollout_steps x k), the peak reached by the last
-    update of rollout step warmup_rollout_steps - 1) and a cosine ends after steps x k.
-    """
-    updates_per_step = c.train.train_batch_prompts // c.train.mini_batch_prompts
-    return train_step.learning_rate_schedule(
-        c.optim.lr,
-        c.optim.warmup_rollout_steps * updates_per_step,
-        c.optim.schedule,
-        c.train.steps * updates_per_step,
-    )
 
 
 def _load_prompts(files, tokenizer, c, dedup):
@@ -348,20 +336,6 @@ def _ids(x) -> tuple[int, ...]:
     return () if x is None else tuple(x) if isinstance(x, (list, tuple)) else (x,)
 
 
-def make_optimizer(c: ml_collections.ConfigDict):
-    """`(optimizer, schedule)` of the config's optim section."""
-    schedule = learning_rate_schedule(c)
-    optimizer = train_step.make_optimizer(
-        schedule,
-        weight_decay=c.optim.weight_decay,
-        max_grad_norm=c.optim.grad_clip,
-        b1=c.optim.b1,
-        b2=c.optim.b2,
-        eps=c.optim.eps,
-    )
-    return optimizer, schedule
-
-
 _MODEL_FOLDERS = ("path", "tokenizer_path")  # the model section's keys that are not ModelConfig's
 
 
@@ -371,12 +345,28 @@ def model_numerics(c: ml_collections.ConfigDict) -> dict:
     return {k: v for k, v in c.model.items() if k not in _MODEL_FOLDERS}
 
 
+def use_compilation_cache(c: ml_collections.ConfigDict, workdir: str) -> str:
+    """Keep every compiled program in `compilation_cache_dir` (default `<workdir>/compilation_cache`;
+    an environment's JAX_COMPILATION_CACHE_DIR stands in for the default), however fast it
+    compiled, so that a relaunch or another host reads it back instead of compiling it again.
+    Set before anything compiles; returns the folder."""
+    path = (
+        c.compilation_cache_dir
+        or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+        or str(paths.run_path(workdir) / "compilation_cache")
+    )
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    logging.info("compilation cache: %s", path)
+    return path
+
+
 def build(c: ml_collections.ConfigDict, workdir: str) -> Run:
     """The mesh (over `c.cpu_devices` XLA devices on a CPU-only host: `sharding.use_cpu_devices`),
-    model, tokenizer, data, samplers, compiled steps and reward workers."""
+    model, tokenizer, data, samplers, compiled steps (`programs.build`) and reward workers."""
+    use_compilation_cache(c, workdir)
     sharding.use_cpu_devices(c.cpu_devices)
-    mesh = sharding.make_mesh(c.mesh)
-    if mesh.devices.flat[0].platform == "cpu":
+    if jax.devices()[0].platform == "cpu":
         host_memory.tune_for_xla_cpu()
     numerics = model_numerics(c)
     hf_config, mcfg = hf_io.check_model_folder(c.model.path, **numerics)
@@ -385,11 +375,11 @@ def build(c: ml_collections.ConfigDict, workdir: str) -> Run:
             f"reference.path {c.reference.path!r} is not a model of the "
             f"architecture and sizes of model.path {c.model.path!r}"
         )
-    m = model.Transformer(mcfg)
     tokenizer = hf_io.load_tokenizer(c.model.tokenizer_path or c.model.path)
     hf_io.check_vocab(mcfg, tokenizer, os.path.join(c.model.path, "config.json"))
-    sampler, eval_sampler, rollout_weights = samplers(c, m, mesh, tokenizer, hf_config)
-    optimizer, step_fn, logprobs_fn = update_fns(c, m, mesh)
+    eos = tuple(sorted({tokenizer.eos_token_id, *_ids(hf_config.get("eos_token_id"))}))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    p = programs.build(c, mcfg, eos, pad)
     shaping = rollout.RewardShaping(
         max_len=c.rollout.max_new_tokens,
         buffer_len=c.reward.overlong_buffer,
@@ -401,113 +391,29 @@ def build(c: ml_collections.ConfigDict, workdir: str) -> Run:
     if c.eval.max_problems:
         eval_examples = eval_examples[: c.eval.max_problems]
     train_examples = _load_prompts(c.data.train_files, tokenizer, c, c.data.dedup)
-    ref_params = hf_io.load_params(c.reference.path, m, mesh) if c.loss.beta > 0 else None
+    ref_params = hf_io.load_params(c.reference.path, p.model, p.mesh) if c.loss.beta > 0 else None
     scorer = hosts.SplitScorer(
         rewards.RewardScorer(rewards.get_reward_fn(c.reward.fn), c.reward.timeout_s, c.reward.num_workers)
     )
     return Run(
         c,
         workdir,
-        mesh,
+        p.mesh,
         hf_config,
         tokenizer,
-        m,
-        optimizer,
-        step_fn,
-        logprobs_fn,
-        sampler,
-        eval_sampler,
-        rollout_weights,
+        p.model,
+        p.optimizer,
+        p.train_step,
+        p.logprobs_fn,
+        p.sampler,
+        p.eval_sampler,
+        p.rollout_weights,
         scorer,
         shaping,
         train_examples,
         eval_examples,
         ref_params,
-    )
-
-
-def samplers(c: ml_collections.ConfigDict, m: model.Transformer, mesh, tokenizer, hf_config: dict):
-    """`(sampler, eval_sampler, rollout_weights)`: the rollout's sampler (rollout.*), the held-out
-    one (eval.temperature / top_p), both on `sampler_weights`' model and mesh, and the function
-    that makes their weights from the trainer's params. EOS: the tokenizer's and config.json's."""
-    eos = tuple(sorted({tokenizer.eos_token_id, *_ids(hf_config.get("eos_token_id"))}))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    sampling = dict(
-        max_new_tokens=c.rollout.max_new_tokens,
-        eos_ids=eos,
-        pad_id=pad,
-        prompt_buckets=tuple(c.data.prompt_buckets),
-        top_k=c.rollout.top_k,
-        decode_slots=c.rollout.decode_slots,
-        decode_chunks=c.rollout.decode_chunks,
-        paged=c.rollout.paged,
-        page_size=c.rollout.page_size,
-        kv_pages=c.rollout.kv_pages,
-    )
-    sampler_model, sampler_mesh, rollout_weights = sampler_weights(c, m, mesh)
-    sampler = Sampler(
-        sampler_model,
-        SamplingConfig(temperature=c.rollout.temperature, top_p=c.rollout.top_p, **sampling),
-        sampler_mesh,
-        c.rollout.micro_batch_prompts,
-    )
-    eval_sampler = Sampler(
-        sampler_model,
-        SamplingConfig(temperature=c.eval.temperature, top_p=c.eval.top_p, **sampling),
-        sampler_mesh,
-    )
-    return sampler, eval_sampler, rollout_weights
-
-
-def update_fns(c: ml_collections.ConfigDict, m: model.Transformer, mesh):
-    """`(optimizer, train_step, logprobs_fn)`: the compiled update of a mini-batch and the
-    log-prob pass of a rollout batch, over micro-batches of train.micro_batch_size rows: padded
-    rows, or with train.pack packed rows (`dapo_jax.packing`; as many micro-batches as the
-    packing needs)."""
-    optimizer, schedule = make_optimizer(c)
-    loss_cfg, temperature = loss_config(c), c.rollout.temperature
-    micro = lambda prompts: prompts * c.rollout.group_size // c.train.micro_batch_size
-    mini, whole = micro(c.train.mini_batch_prompts), micro(c.train.train_batch_prompts)
-    rows = c.train.micro_batch_size if c.train.pack else 0
-    return (
-        optimizer,
-        train_step.make_train_step(m, optimizer, schedule, loss_cfg, mesh, mini, micro_rows=rows),
-        train_step.make_compute_logprobs(m, mesh, temperature, whole, micro_rows=rows),
-    )
-
-
-def sampler_weights(c: ml_collections.ConfigDict, m: model.Transformer, mesh):
-    """`(model, mesh, weights)` of the samplers: the trainer's model, mesh and params as they lie,
-    or with `rollout.tensor_parallel` = N a mesh of data x N-way tensor (no fsdp: no weight is
-    gathered per decoded token) over the same devices, weights in `rollout.param_dtype`, made
-    from the trainer's params once per step (`sampler.rollout_params`). `rollout.dtype` sets the
-    samplers' compute dtype apart from the trainer's (e.g. a bf16 update, an f32 decode)."""
-    dtype = c.rollout.param_dtype or m.config.param_dtype
-    config = dataclasses.replace(m.config, param_dtype=dtype, dtype=c.rollout.dtype or m.config.dtype)
-    if not c.rollout.tensor_parallel and dtype == m.config.param_dtype:
-        return (m if config == m.config else model.Transformer(config)), mesh, lambda params: params
-    tp = c.rollout.tensor_parallel or mesh.shape["tensor"]
-    rollout_mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": tp})
-    rollout_model = model.Transformer(dataclasses.replace(config, remat=False))
-    return (
-        rollout_model,
-        rollout_mesh,
-        functools.partial(rollout_params, rollout_model=rollout_model, mesh=rollout_mesh),
-    )
-
-
-def loss_config(c: ml_collections.ConfigDict) -> train_step.LossConfig:
-    """The policy loss's knobs: config.loss's keys of the same names, every one of them (the
-    record's defaults never stand in for a config; normalize_std belongs to the advantages), 0
-    meaning off for c and L_max for L_const, and the rollout's temperature."""
-    names = {f.name for f in dataclasses.fields(train_step.LossConfig)} - {"temperature"}
-    return train_step.LossConfig(
-        **{
-            **{k: c.loss[k] for k in names},
-            "clip_ratio_c": c.loss.clip_ratio_c or None,
-            "norm_const": c.loss.norm_const or c.rollout.max_new_tokens,
-            "temperature": c.rollout.temperature,
-        }
+        p,
     )
 
 

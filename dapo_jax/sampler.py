@@ -443,16 +443,6 @@ def rollout(
     return loop(model, config, n, params, prompt_PxL, mask_PxL.astype(bool), u_BxN)
 
 
-def rollout_params(params, rollout_model: Transformer, mesh: Mesh):
-    """The trainer's parameters in a rollout layout, once per step: cast to `rollout_model`'s
-    param dtype (e.g. bf16) and laid out by `RULES` on `mesh` (e.g. data x tensor, fsdp 1: no
-    weight is gathered per decoded token). The cast runs where the params lie; the copy then moves
-    them across meshes over the same devices."""
-    dtype = rollout_model.config.weight_dtype
-    cast = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(dtype), p))(params)
-    return jax.device_put(cast, sharding.param_shardings(rollout_model, mesh))
-
-
 def _fit_bucket(prompt_PxL: np.ndarray, mask_PxL: np.ndarray, buckets: tuple[int, ...], pad_id: int):
     """Re-pad a left-padded batch to the smallest bucket that holds its longest prompt."""
     mask_PxL = np.asarray(mask_PxL, bool)
@@ -561,11 +551,29 @@ class Sampler:
             prompt_PxL, mask_PxL, self.config.prompt_buckets, self.config.pad_id
         )
         m = self.micro_batch_prompts or p
+        fn = self.program(n)
         outs = []
-        fn = self._rollout_fn(n)
-        # a device's own loop has no logical constraints to apply (the mesh is all manual there)
-        with contextlib.nullcontext() if self._per_device else sharding.activate(self.mesh):
-            for i in range(0, p, m):  # each row's samples depend on its uid only, not on m
-                part = [x[i : i + m] for x in (prompt_PxL, mask_PxL, uids_P)]
-                outs.append(_fitted_call(fn, params, *part, rng, n, self._data_size))
+        for i in range(0, p, m):  # each row's samples depend on its uid only, not on m
+            part = [x[i : i + m] for x in (prompt_PxL, mask_PxL, uids_P)]
+            outs.append(_fitted_call(fn, params, *part, rng, n, self._data_size))
         return outs[0] if len(outs) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs), *outs)
+
+    def program(self, n: int):
+        """The compiled rollout of one micro-batch, `n` samples a prompt: `fn(params, prompt_PxL,
+        mask_PxL, uids_P, rng) -> dict of P*n rows` (prompts in a bucket, left padded), and
+        `fn.lower(...)` of the same arguments as ShapeDtypeStructs (the AOT check). The one entry
+        of the rollout's program, built once per n."""
+        jitted = self._rollout_fn(n)
+        # a device's own loop has no logical constraints to apply (the mesh is all manual there)
+        context = contextlib.nullcontext if self._per_device else lambda: sharding.activate(self.mesh)
+
+        def call(*args):
+            with context():
+                return jitted(*args)
+
+        def lower(*args):
+            with context():
+                return jitted.lower(*args)
+
+        call.lower = lower
+        return call

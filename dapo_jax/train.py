@@ -56,6 +56,7 @@ from dapo_jax import (
     overrides,
     packing,
     paths,
+    programs,
     rollout,
     rollout_correction,
     sharding,
@@ -70,7 +71,6 @@ from dapo_jax.run import (
     check_config,
     check_workdir,
     load_config_file,
-    loss_config,
     make_filter,
     profile_steps,
 )
@@ -466,7 +466,7 @@ def _corrected(run: Run, sampler_logp, device: train_step.Rollout, old_logp_BxT)
     rollout_is) and the rollout_corr/* metrics (`rollout_correction.correct`); without a
     correction the rollout unchanged, None and no metrics. `sampler_logp()`: the sampler's
     log-probs on the device, in the trained layout."""
-    cfg = loss_config(run.config)
+    cfg = programs.loss_config(run.config)
     if not cfg.corrects:
         return device, None, {}
     with sharding.activate(run.mesh):

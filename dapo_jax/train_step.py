@@ -45,7 +45,7 @@ OLD_LOGP = ("recompute", "sampler", "detached")
 class LossConfig(objective.PolicyLossConfig, rollout_correction.CorrectionConfig):
     """The policy loss's knobs (`objective.PolicyLossConfig`), the mismatch correction's
     (`rollout_correction.CorrectionConfig`, off by default), with where its log-probs come from;
-    static under jit, every field set by the config (`run.loss_config`)."""
+    static under jit, every field set by the config (`programs.loss_config`)."""
 
     temperature: float  # the rollout temperature; log-probs come from logits / temperature
     old_logp: str = "recompute"  # where log pi_old comes from: one of OLD_LOGP
@@ -89,7 +89,7 @@ def learning_rate_schedule(
 ):
     """lr(s) for optimizer update s = 0, 1, ...: linear warm-up peak * (s + 1) / warmup_updates
     (so update 0 already learns), then constant (DAPO) or cosine down to final_ratio * peak at
-    total_updates. Counts are updates; `run.learning_rate_schedule` converts rollout steps."""
+    total_updates. Counts are updates; `programs.learning_rate_schedule` converts rollout steps."""
     if kind not in ("constant", "cosine"):
         raise ValueError(f"unknown schedule {kind!r}; use 'constant' or 'cosine'")
     if warmup_updates < 0:

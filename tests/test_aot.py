@@ -29,16 +29,26 @@ def _aot(*flags):
 
 @pytest.mark.slow
 def test_tiny_programs_compile_and_fit():
-    out = _aot()
+    """The run's programs as `programs.build` makes them, the rollout on a tensor-parallel bf16
+    mesh of its own: each compiles, fits, and counts the train state resident beside it."""
+    out = _aot("--config.rollout.tensor_parallel=2", "--config.rollout.param_dtype=bfloat16")
     assert out.returncode == 0, out.stderr[-2000:]
+    assert "rollout mesh {'data': 4, 'fsdp': 1, 'tensor': 2} in bfloat16" in out.stdout
     rows = json.loads(out.stdout.strip().splitlines()[-1])
-    assert [r["program"] for r in rows] == ["train", "logprobs", "prefill", "rollout", "decode"]
+    assert [r["program"] for r in rows] == ["train", "logprobs", "rollout", "eval", "cast", "decode"]
+    by_name = {r["program"]: r for r in rows}
     for r in rows[:4]:
         assert 0 < r["total_gib"] < r["hbm_gib"] == 16
         assert r["tflops_per_chip"] > 0 and r["temp_gib"] > 0
-    train = rows[0]  # the donated state: its outputs alias its arguments
-    assert train["alias_gib"] > 0
-    layouts = {r["layout"]: r for r in rows[4]["layouts"]}
+    assert by_name["train"]["alias_gib"] > 0  # the donated state: its outputs alias its arguments
+    assert by_name["train"]["resident_gib"] == 0  # the state is the train step's own argument
+    # beside the log-prob pass (the params its argument): the two AdamW moments, as large as the
+    # f32 params; beside a sampler: the whole state, params too, besides its bf16 copy
+    logprobs, rollout = by_name["logprobs"], by_name["rollout"]
+    assert logprobs["resident_gib"] == pytest.approx(2 * logprobs["args_gib"], rel=0.05)
+    assert rollout["resident_gib"] == pytest.approx(1.5 * logprobs["resident_gib"], rel=1e-3)
+    assert by_name["cast"]["out_gib"] == pytest.approx(by_name["cast"]["args_gib"] / 2, rel=1e-3)
+    layouts = {r["layout"]: r for r in rows[5]["layouts"]}
     assert set(layouts) == {"trainer FSDP", "rollout TP"}
     assert all(r["hbm_bytes_per_token"] > 0 and r["kv_cache_gib"] > 0 for r in layouts.values())
 

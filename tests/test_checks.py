@@ -2,14 +2,12 @@
 
 import json
 
-import jax
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from configs import dapo
-from dapo_jax import data, model, overrides, run, sharding
+from dapo_jax import data, overrides, run
 from dapo_jax.errors import ConfigError, DataFileError
 
 
@@ -188,28 +186,3 @@ def test_workdir_that_is_a_file_is_named(tmp_path):
             run.check_workdir(str(workdir))
     run.check_workdir(str(tmp_path / "new" / "run"))  # a folder still to create is fine
     run.check_workdir(str(tmp_path))
-
-
-def test_the_samplers_compute_dtype_is_set_apart_from_the_trainers():
-    """rollout.dtype: a bf16 trainer with an f32 sampler on the same mesh and the same weights."""
-    c = overrides.apply(dapo.get_config("tiny"), {"model.dtype": "bfloat16", "rollout.dtype": "float32"})
-    m = model.Transformer(
-        model.ModelConfig(
-            vocab_size=8,
-            hidden_size=8,
-            intermediate_size=8,
-            num_layers=1,
-            num_heads=2,
-            num_kv_heads=1,
-            head_dim=4,
-            dtype="bfloat16",
-        )
-    )
-    mesh = sharding.make_mesh({"data": -1}, devices=jax.devices()[:1])
-    sampler_model, sampler_mesh, weights = run.sampler_weights(c, m, mesh)
-    assert sampler_model.config.dtype == "float32" and m.config.dtype == "bfloat16"
-    assert sampler_model.config.param_dtype == m.config.param_dtype and sampler_mesh is mesh
-    params = {"any": np.ones(2)}
-    assert weights(params) is params
-    c.rollout.dtype = ""
-    assert run.sampler_weights(c, m, mesh)[0] is m

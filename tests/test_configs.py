@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from configs import ablation, dapo, grpo
-from dapo_jax import metrics, run, train
+from dapo_jax import metrics, programs, train
 
 from conftest import small
 
@@ -93,13 +93,13 @@ def test_unknown_ablation_row_lists_the_valid_ones():
 def test_warm_up_counts_rollout_steps_and_the_first_update_learns():
     c = dapo.get_config("qwen2_5_32b")
     assert c.optim.warmup_rollout_steps == 20
-    schedule = run.learning_rate_schedule(c)  # 16 updates a rollout step: 320 warm-up updates
+    schedule = programs.learning_rate_schedule(c)  # 16 updates a rollout step: 320 warm-up updates
     lr = [float(schedule(s)) for s in (0, 1, 15, 318, 319, 320, 5000)]
     np.testing.assert_allclose(
         lr, [1e-6 / 320, 2e-6 / 320, 16e-6 / 320, 319e-6 / 320, 1e-6, 1e-6, 1e-6], rtol=1e-6
     )
     c.optim.warmup_rollout_steps = 0
-    assert float(run.learning_rate_schedule(c)(0)) == pytest.approx(1e-6)
+    assert float(programs.learning_rate_schedule(c)(0)) == pytest.approx(1e-6)
 
 
 # The config runs reduced to the distinct code paths of one RL step; the tests above prove that

@@ -264,24 +264,6 @@ def test_rollout_micro_batches_leave_rollouts_unchanged(qwen2, single):
     np.testing.assert_allclose(split["logp"], whole["logp"], atol=1e-5)
 
 
-def test_rollout_params_reshard_to_a_tensor_parallel_mesh(qwen2_dir):
-    trainer_mesh = sharding.make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
-    rollout_mesh = sharding.make_mesh({"data": 4, "fsdp": 1, "tensor": 2}, devices=jax.devices()[::-1])
-    m, params = _load(qwen2_dir, trainer_mesh)
-    rollout_model = model.Transformer(dataclasses.replace(m.config, param_dtype="bfloat16"))
-    moved = sampler.rollout_params(params, rollout_model, rollout_mesh)
-    want = sharding.param_shardings(rollout_model, rollout_mesh)
-    kernel = moved["layers_0"]["mlp"]["up_proj"]["kernel"]
-    assert kernel.dtype == np.dtype("bfloat16")
-    assert kernel.sharding == want["layers_0"]["mlp"]["up_proj"]["kernel"]
-    assert kernel.addressable_shards[0].data.shape == (64, 48)  # embed whole, mlp over tensor
-    jax.tree.map(
-        lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b).astype(a.dtype)),
-        moved,
-        params,
-    )
-
-
 def test_continuous_batching_equals_the_fixed_batch(qwen2, single):
     """Rows of mixed lengths (ends and truncations), prompts of mixed lengths: every slot count
     gives each row the fixed batch's tokens, log-probs, lengths and ends, whatever slots it gets."""
