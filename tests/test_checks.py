@@ -69,7 +69,7 @@ def test_shipped_configs_are_in_range(variant):
             "reward.fn",
             "math",
             "config.reward: unknown reward fn 'math'; valid names: "
-            "['math_dapo', 'math_verify'], or 'module:function', or "
+            "['last_number', 'math_dapo', 'math_verify'], or 'module:function', or "
             "'path/to/file.py:function'",
         ),
     ],
