@@ -26,10 +26,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
 
-from dapo_jax import sampler
+from dapo_jax import sampler, sharding
 from dapo_jax.model import KVCache, ModelConfig, Transformer
 from dapo_jax.paged_attention import PageRefs, interleave_kv
 
@@ -210,7 +212,10 @@ def _decode(model, params, config, geo: Geometry, prompts: Prompts, group: int, 
         {"params": params}, st.feed_S[:, None], positions_S[:, None], None, st.pools, refs
     )
     step_S = jnp.minimum(st.step_S, n_new - 1)
-    token_S, logp_S = sampler.sample_token(logits_Sx1xV[:, 0], u_BxN[row_S, step_S], config)
+    # whole vocabularies: sampling's reversals of a vocabulary split over tensor are collective
+    # permutes, which XLA:CPU's rendezvous waits on from every device (a loop per shard would hang)
+    logits_SxV = nn.with_logical_constraint(logits_Sx1xV[:, 0], ("batch", None))
+    token_S, logp_S = sampler.sample_token(logits_SxV, u_BxN[row_S, step_S], config)
     ended_S = jnp.isin(token_S, jnp.asarray(config.eos_ids, jnp.int32).reshape(-1))
     done_S = run_S & (ended_S | (st.step_S + 1 == n_new))
     out_S, fin_S = jnp.where(run_S, row_S, b), jnp.where(done_S, row_S, b)  # B: dropped
@@ -295,3 +300,28 @@ def paged_rollout(model, config: sampler.SamplingConfig, group: int, params, pro
     st = jax.lax.while_loop(lambda st: jnp.any(st.row_S < geo.rows) | st.waiting_B.any(), body, st)
     outputs = sampler._outputs(st.tokens_BxN, st.logp_BxN, st.ended_B, st.length_B)
     return outputs, {"steps": st.steps, "waits": st.waits, "preemptions": st.preemptions}
+
+
+def loop_per_data_shard(loop, mesh: Mesh):
+    """`loop(params, prompt_PxL, mask_PxL, uids_P, rng)` run by each data x fsdp shard of `mesh` on
+    its P / d prompts, all their rows (`jax.shard_map`, manual over data and fsdp only): tensor
+    parallel inside a shard (the weights split over `tensor` as they lie, the batch axis not
+    split further), no shard waiting for another's longest row. P must split evenly."""
+    rows = PartitionSpec(("data", "fsdp"))
+    manual = ("data", "fsdp")
+    auto_only = tuple(
+        (name, None if axes in manual or axes == manual else axes) for name, axes in sharding.RULES
+    )
+
+    def per_shard(*args):
+        with nn.logical_axis_rules(auto_only):  # inside a shard only tensor is left to split
+            return loop(*args)
+
+    return jax.shard_map(
+        per_shard,
+        mesh=mesh,
+        in_specs=(PartitionSpec(), rows, rows, rows, PartitionSpec()),
+        out_specs=rows,
+        axis_names={"data", "fsdp"},
+        check_vma=False,
+    )

@@ -26,7 +26,9 @@ Devices. On a mesh of d > 1 devices whose only split is the batch (data; fsdp = 
 device holds all the weights), each device runs the loop by itself (`jax.shard_map`) on its P / d
 prompts (P filled up to a multiple of d with copies of the last prompt, whose rows are dropped),
 all their rows, in S / d slots: no collective in the loop, and a device whose rows have ended
-stops. Otherwise one loop spans the mesh: its batch sharded, its stopping test and slot refills
+stops. With `paged` (the engine) on a mesh that also splits the weights over tensor, each data x
+fsdp shard runs its own loop likewise (`engine.loop_per_data_shard`), tensor parallel inside.
+Otherwise one loop spans the mesh: its batch sharded, its stopping test and slot refills
 agreed across devices at every step, which on CPU devices cost more than the slots saved
 (figures: experiments/README.md).
 
@@ -465,14 +467,14 @@ def _fit_bucket(prompt_PxL: np.ndarray, mask_PxL: np.ndarray, buckets: tuple[int
     )
 
 
-def _loop_per_device(loop, mesh: Mesh, n: int):
+def _loop_per_device(loop, mesh: Mesh, n: int, loops=None):
     """`loop(params, prompt_PxL, mask_PxL, uids_P, rng)` run by each of the d data x fsdp devices
-    of `mesh` on its P / d prompts, all their `n` rows (`jax.shard_map`; the weights replicated);
-    P filled up to a multiple of d (`sizes.padded_count`) with copies of the last prompt, whose
-    rows are dropped."""
+    of `mesh` on its P / d prompts, all their `n` rows (`jax.shard_map`; the weights replicated),
+    or as `loops` (the same, shard_mapped otherwise); P filled up to a multiple of d
+    (`sizes.padded_count`) with copies of the last prompt, whose rows are dropped."""
     d = mesh.shape["data"] * mesh.shape["fsdp"]
     rows = PartitionSpec(("data", "fsdp"))
-    loops = jax.shard_map(
+    loops = loops or jax.shard_map(
         loop,
         mesh=mesh,
         in_specs=(PartitionSpec(), rows, rows, rows, PartitionSpec()),
@@ -514,13 +516,14 @@ class Sampler:
         self._data_size = mesh.shape["data"] * mesh.shape["fsdp"]
         sizes.check_decode_slots(config.decode_slots, self._data_size)
         self._per_device = sharding.splits_only_the_batch(mesh)  # module docstring, Devices
+        self._per_shard = config.paged and self._data_size > 1 and not self._per_device
         self._jitted = {}  # n -> jitted rollout
 
     def _rollout_fn(self, n: int):
         if n in self._jitted:
             return self._jitted[n]
         config = self.config
-        if self._per_device:  # each device's share of the slots
+        if self._per_device or self._per_shard:  # each device's (or shard's) share of the slots
             config = dataclasses.replace(config, decode_slots=config.decode_slots // self._data_size)
 
         def traced(*args):
@@ -528,6 +531,10 @@ class Sampler:
             return rollout(self.model, config, n, *args)
 
         fn = _loop_per_device(traced, self.mesh, n) if self._per_device else traced
+        if self._per_shard:  # the engine: a loop per data shard, tensor parallel inside
+            from dapo_jax import engine  # noqa: PLC0415 - the engine builds on this module
+
+            fn = _loop_per_device(traced, self.mesh, n, engine.loop_per_data_shard(traced, self.mesh))
         rep = sharding.replicated(self.mesh)
         out = {
             k: sharding.batch_sharding(self.mesh, 1 if k in ("length", "truncated") else 2)

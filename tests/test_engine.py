@@ -2,6 +2,7 @@
 same tokens, log-probs, lengths and ends, whatever the slots, pages and pool size."""
 
 import dataclasses
+import re
 
 import jax
 import numpy as np
@@ -87,3 +88,25 @@ def test_a_pool_a_quarter_of_rows_times_length_completes_the_batch(qwen2_dir, si
     assert stats["waits"] > 0 and (pages > 17 or stats["preemptions"] > 0), stats
     with pytest.raises(ValueError, match="kv_pages = 16 cannot hold"):
         engine.geometry(dataclasses.replace(paged, kv_pages=16), 4, 4, 8)
+
+
+def test_a_loop_per_data_shard_with_tensor_parallel_inside_equals_one_device(qwen2_dir, single):
+    """On a data 2 x tensor 2 mesh the engine runs one loop per data shard (shard_map over data
+    only; the weights split over tensor inside): every row as one device's fixed batch (3 prompts
+    filled up to 4), and the loop's collectives stay within a data shard's tensor pair."""
+    m, params = _load(qwen2_dir, single)
+    prompt, mask = _prompts([8, 3, 6], 8, seed=9)
+    cfg = _config(eos_ids=tuple(range(3, 11)), temperature=0.8)
+    key, uids = jax.random.key(6), [4, 1, 7]
+    ref = _generate(m, params, cfg, single, prompt, mask, 2, key, uids)
+    assert ref["truncated"].any() and not ref["truncated"].all()
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 1, "tensor": 2}, devices=jax.devices()[:4])
+    _, mesh_params = _load(qwen2_dir, mesh)
+    s = sampler.Sampler(m, dataclasses.replace(cfg, paged=True, decode_slots=4, page_size=4), mesh)
+    with sharding.activate(mesh):
+        args = (mesh_params, prompt[:2], mask[:2], np.asarray(uids[:2], np.int32), key)
+        hlo = s._rollout_fn(2).lower(*args).compile().as_text()
+    groups = set(re.findall(r"replica_groups=(\[[\d,]+\]<=\[\d+\]|\{[\d,{}]*\})", hlo))
+    assert groups and "collective-permute" not in hlo and groups <= {"[2,2]<=[4]", "{{0,1},{2,3}}"}, groups
+    out = jax.device_get(s.generate(mesh_params, prompt, mask, 2, key, uids_P=uids))
+    _assert_same_rows(out, ref, "data 2 x tensor 2")
