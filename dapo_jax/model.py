@@ -382,7 +382,7 @@ class Attention(nn.Module):
         dtype, chunk = c.compute_dtype, c.attention_chunk
         if isinstance(attn_BxTxS, SegmentIds):  # packed rows: blocks across segments skipped
             kT_BxKxHxT, seg_BxT = k_BxKxTxH.swapaxes(2, 3), attn_BxTxS.segment_BxT
-            if _splash_applies(t):
+            if _splash_applies(t, k):
                 out = splash_attention(q_BxTxKxGxH, kT_BxKxHxT, v_BxKxTxH, seg_BxT).astype(dtype)
             elif chunk and t > chunk:
                 out = blocked_attention(q_BxTxKxGxH, kT_BxKxHxT, v_BxKxTxH, seg_BxT, dtype, chunk, c.remat)
@@ -418,15 +418,15 @@ class Attention(nn.Module):
         return _dense(c, c.hidden_size, ("heads", "embed"), False, "o_proj")(out), cache
 
 
-def _splash_applies(t: int) -> bool:
+def _splash_applies(t: int, kv_heads: int) -> bool:
     """Whether packed rows' attention runs jax's splash kernel (`segment_attention.splash_attention`):
     on a mesh of TPU devices (abstract ones included, for AOT), outside manual axes, T a multiple
-    of its blocks."""
+    of its blocks and the KV heads split evenly over the tensor axis."""
     mesh = jax.sharding.get_abstract_mesh()
     device = getattr(mesh, "abstract_device", None)
-    if mesh.empty or device is None or mesh.manual_axes:
+    if mesh.empty or device is None or mesh.manual_axes or device.platform != "tpu":
         return False
-    return device.platform == "tpu" and t % 512 == 0
+    return t % 512 == 0 and kv_heads % dict(mesh.shape).get("tensor", 1) == 0
 
 
 class MLP(nn.Module):
