@@ -98,7 +98,9 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
         pack=True,
         max_consecutive_nonfinite=5,  # stop (with a checkpoint) after this many skipped updates
     )
-    c.checkpoint = dict(every=10, keep=3, asynchronous=True)
+    # every: steps between checkpoints; every_minutes: also after a step when that much wall clock
+    # has passed since the last one (0: off), so that a preemption loses little of a long step
+    c.checkpoint = dict(every=10, every_minutes=30.0, keep=3, asynchronous=True)
     c.eval = dict(
         every=20,
         samples=32,
@@ -111,7 +113,7 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
         micro_batch_prompts=16,
         at_start=True,
     )
-    c.export = dict(dtype="bfloat16")
+    c.export = dict(dtype="bfloat16", max_shard_bytes=5 * 2**30)  # HF's shard files of <= 5 GiB
     c.metrics = dict(
         writers="jsonl,tensorboard",  # add ",wandb" (pip install wandb)
         wandb_project="dapo-jax",
@@ -226,7 +228,7 @@ def tiny() -> ml_collections.ConfigDict:
         pack=False,
         max_consecutive_nonfinite=5,  # stop (with a checkpoint) after this many skipped updates
     )
-    c.checkpoint = dict(every=5, keep=3, asynchronous=True)
+    c.checkpoint = dict(every=5, every_minutes=30.0, keep=3, asynchronous=True)
     # Held-out at T = 1, top_p = 1 (the paper validates at top_p 0.7): the policy as it samples,
     # so the demo's before and after measure what RL trains.
     c.eval = dict(
@@ -239,7 +241,7 @@ def tiny() -> ml_collections.ConfigDict:
         micro_batch_prompts=0,  # prompts decoded at once (0: all eval.batch_prompts)
         at_start=True,
     )
-    c.export = dict(dtype="float32")
+    c.export = dict(dtype="float32", max_shard_bytes=5 * 2**30)
     c.metrics = dict(
         writers="jsonl,tensorboard",  # add ",wandb" (pip install wandb)
         wandb_project="dapo-jax",

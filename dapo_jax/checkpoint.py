@@ -12,17 +12,19 @@ Saves are asynchronous (the next step runs while the files are written); only co
 checkpoints are listed, so a run killed mid-save resumes from the previous one, and the temporary
 folders such a save leaves are removed when the next run opens the folder. A listed checkpoint
 whose files were damaged afterwards (truncated, garbled) is skipped at restore with a warning
-naming its step and why: `restore_latest` resumes from the newest one that restores.
+naming its step and why: `restore_latest` resumes from the newest one that restores, on every
+process of a multi-host run the same one.
 """
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from absl import logging
+from absl import flags, logging
 from flax import traverse_util
 
-from dapo_jax import paths
+from dapo_jax import hosts, paths
 from dapo_jax.errors import CheckpointError
 
 
@@ -40,6 +42,11 @@ class Checkpointer:
     ):
         """`read_only` (evaluate, export): restores only, and leaves the temporary folders of a
         save in progress (a run still training in that workdir) alone."""
+        # Orbax's barriers through the coordination service (with a timeout), not through a
+        # device collective: its background thread's collective could otherwise run between the
+        # main thread's in another order on another process, and all of them hang (seen on the
+        # four-process CPU pod, tests/test_pod.py).
+        flags.FLAGS.experimental_orbax_use_distributed_barrier = True
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None if read_only else keep,
             create=not read_only,
@@ -62,6 +69,19 @@ class Checkpointer:
 
     def all_steps(self) -> list[int]:
         return list(self._manager.all_steps())
+
+    def agreed_steps(self) -> list[int]:
+        """`all_steps()`, checked to be the same list on every process of the run (one
+        all-gather); a CheckpointError naming each process's list where they differ."""
+        steps = self.all_steps()
+        seen = hosts.allgather_json(steps)
+        if any(s != steps for s in seen):
+            views = "; ".join(f"process {p}: {s}" for p, s in enumerate(seen))
+            raise CheckpointError(
+                f"the processes see different checkpoints in {self.directory} ({views}): give every "
+                "process the same folder (--checkpoint_dir on storage they share, e.g. gs://)"
+            )
+        return steps
 
     def save(self, step: int, state, host: dict) -> None:
         """Start saving; returns before the files are written unless the manager is synchronous."""
@@ -102,31 +122,42 @@ class Checkpointer:
         return restored["state"], host
 
     def restore_latest(self, abstract_state) -> tuple[int, object, dict] | None:
-        """(step, state, host) of the newest checkpoint that restores; None when there is none.
+        """(step, state, host) of the newest checkpoint that restores on every process; None
+        when there is none. The same step on every process of a multi-host run: they first check
+        that they see the same checkpoints, and a step that fails to restore on any one of them
+        (a transient read error included) is given up by all.
 
         A newer checkpoint that fails to restore is logged (its step and the error) and, once an
         older one has restored, deleted: the resumed run computes and saves that step again.
-        Raises CheckpointError when checkpoints exist but none restores."""
+        Raises CheckpointError when checkpoints exist but none restores, or when the processes
+        see different checkpoints."""
+        steps = sorted(self.agreed_steps(), reverse=True)
         failed = []
-        for step in sorted(self.all_steps(), reverse=True):
-            try:
-                state, host = self.restore(step, abstract_state)
-            except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many kinds
-                reason = " ".join(f"{type(e).__name__}: {e}".split())[:500]
-                logging.warning(
-                    "checkpoint %d in %s cannot be restored, skipped: %s", step, self.directory, reason
-                )
-                failed.append((step, reason))
-                continue
-            for bad, _ in failed:
-                self._manager.delete(bad)
-            return step, state, host
+        for step in steps:
+            restored, reason = self._try_restore(step, abstract_state)
+            reasons = [r for r in hosts.allgather_json(reason) if r]
+            if not reasons:
+                for bad, _ in failed:
+                    self._manager.delete(bad)
+                return step, *restored
+            why = "; ".join(reasons)
+            logging.warning("checkpoint %d in %s cannot be restored, skipped: %s", step, self.directory, why)
+            failed.append((step, why))
         if failed:
             raise CheckpointError(
                 f"no checkpoint in {self.directory} restores: "
                 + "; ".join(f"{bad} ({why})" for bad, why in failed)
             )
         return None
+
+    def _try_restore(self, step: int, abstract_state) -> tuple[tuple | None, str]:
+        """((state, host), "") or (None, why it failed on this process)."""
+        try:
+            return self.restore(step, abstract_state), ""
+        except Exception as e:  # noqa: BLE001 - orbax and tensorstore raise many kinds
+            reason = " ".join(f"{type(e).__name__}: {e}".split())[:500]
+            prefix = f"process {jax.process_index()}: " if jax.process_count() > 1 else ""
+            return None, prefix + reason
 
     def wait(self) -> None:
         """Block until the pending asynchronous save is on disk."""

@@ -12,7 +12,9 @@ training run's evaluation (`train.evaluate`, the same seed per step); prints avg
 maj@k (k = 1, 2, 4, ..., n) each ± its standard error over problems, and writes to `--out`
 (default `<workdir>/eval_step_<N>`) `metrics.json` and `samples.jsonl`, one line per sample:
 problem_id, sample, prompt, response, pred (the extracted answer), ground_truth, score, acc,
-length (tokens, EOS included), truncated.
+length (tokens, EOS included), truncated. On a pod slice, run it on every host with `--multihost`
+(as train): the processes sample together, each scores 1/n of the responses, and process 0
+writes the files.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ import json
 import os
 import sys
 
+import jax
 from absl import app, flags
 
-from dapo_jax import evaluation, export, hf_io, hub, train
+from dapo_jax import evaluation, export, hf_io, hub, paths, train
 from dapo_jax.errors import CheckpointError, ConfigError
 from dapo_jax.run import build, check_config
 
@@ -79,11 +82,12 @@ def evaluate(
     finally:
         run.scorer.close()
     result["eval/num_problems"] = len(run.eval_examples)
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "samples.jsonl"), "w") as f:
-        f.writelines(json.dumps(row) + "\n" for row in rows)
-    with open(os.path.join(out, "metrics.json"), "w") as f:
-        json.dump({"step": step, **result}, f, indent=2)
+    if jax.process_index() != 0:  # every process holds the same samples and metrics
+        return result, out
+    folder = paths.run_path(out)  # local, or gs:// (a pod's workdir) through the path layer
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "samples.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (folder / "metrics.json").write_text(json.dumps({"step": step, **result}, indent=2))
     return result, out
 
 
@@ -115,6 +119,7 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
     f = flags.FLAGS
     train.quiet_logging()
+    train.start_distributed()
     if f.config is None:
         raise app.UsageError("--config is required")
     try:
@@ -130,6 +135,8 @@ def main(argv):
     except (ConfigError, CheckpointError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    if jax.process_index() != 0:
+        return
     print(f"{result['eval/num_problems']} problems x {c.eval.samples} samples: {summary_text(result)}")
     print(f"samples and metrics: {out}")
 

@@ -7,7 +7,9 @@ The config is the run's (with the same overrides: it names the base model, whose
 tokenizer and generation_config.json go beside the weights). `--step` defaults to the newest
 checkpoint, `--out` to `<workdir>/export_step_<N>`, `--dtype` to the config's `export.dtype`.
 The folder is written as the end of a run writes `<workdir>/export` (`train.export_hf`) and
-checked as a load checks it. `--push_to_hub` uploads it to that Hub model repo (created if
+checked as a load checks it. On a pod slice, run it on every host with `--multihost` (as train):
+each process writes its own safetensors shards into `--out`, which must be a folder every
+process sees (gs://...). `--push_to_hub` uploads it to that Hub model repo (created if
 missing, private unless `--public`); nothing touches the network without it.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 import os
 import sys
 
+import jax
 from absl import app, flags
 
 from dapo_jax import checkpoint, hub, paths, sharding, train
@@ -46,7 +49,7 @@ def restore(c, workdir: str, step: int | None = None) -> tuple[Run, TrainState, 
     sharding.use_cpu_devices(c.cpu_devices)  # before orbax starts JAX: the run's mesh in `build`
     ckpt = checkpoint.Checkpointer(workdir, read_only=True)  # the run may still be saving
     try:
-        steps = ckpt.all_steps()
+        steps = ckpt.agreed_steps()  # every process of a --multihost export the same step
         step = max(steps, default=None) if step is None else step
         if step not in steps:
             raise ConfigError(
@@ -76,7 +79,7 @@ def export(
         out = train.export_hf(run, state.params, out or os.path.join(workdir, f"export_step_{step}"), dtype)
     finally:
         run.scorer.close()
-    if push_to_hub:
+    if push_to_hub and jax.process_index() == 0:
         import huggingface_hub  # pylint: disable=import-outside-toplevel
 
         api = huggingface_hub.HfApi()
@@ -101,6 +104,7 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
     f = flags.FLAGS
     train.quiet_logging()
+    train.start_distributed()
     if f.config is None or f.workdir is None:
         raise app.UsageError("--config and --workdir are required")
     try:
@@ -108,6 +112,8 @@ def main(argv):
     except (ConfigError, CheckpointError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    if jax.process_index() != 0:
+        return
     print(
         f"exported step {step} of {f.workdir} to {out}"
         + (f" and https://huggingface.co/{f.push_to_hub}" if f.push_to_hub else "")

@@ -37,7 +37,6 @@ import numpy as np
 import transformers
 from flax import traverse_util
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file
 
 from dapo_jax import sharding
 from dapo_jax.errors import ModelFolderError
@@ -58,8 +57,8 @@ FAMILIES = {
     "Qwen3ForCausalLM": Family("qwen3", qkv_bias=False, qk_norm=True),  # Qwen3 dense
     "LlamaForCausalLM": Family("llama", qkv_bias=False, qk_norm=False),  # Llama 2, 3, 3.1
 }
-_SINGLE_FILE = "model.safetensors"
-_INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
 _WEIGHT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
@@ -240,13 +239,13 @@ def hf_name(path: tuple[str, ...]) -> tuple[str, bool]:
 def checkpoint_tensors(model_dir: str) -> dict[str, TensorInfo]:
     """Every tensor of a checkpoint, from the headers of model.safetensors or of the shards that
     model.safetensors.index.json names (each named tensor must be in its shard)."""
-    index = os.path.join(model_dir, _INDEX_FILE)
+    index = os.path.join(model_dir, INDEX_FILE)
     if not os.path.isfile(index):
-        single = os.path.join(model_dir, _SINGLE_FILE)
+        single = os.path.join(model_dir, SINGLE_FILE)
         if not os.path.isfile(single):
             raise ModelFolderError(
                 model_dir,
-                f"holds neither {_SINGLE_FILE} nor {_INDEX_FILE}; "
+                f"holds neither {SINGLE_FILE} nor {INDEX_FILE}; "
                 "weights load from safetensors only (convert .bin/.pt "
                 "checkpoints with transformers' save_pretrained)",
             )
@@ -296,7 +295,7 @@ def _unrolled(model: Transformer) -> Transformer:
     return Transformer(dataclasses.replace(model.config, scan_layers=False))
 
 
-def _layer_path(path: tuple[str, ...], i: int) -> tuple[str, ...]:
+def layer_path(path: tuple[str, ...], i: int) -> tuple[str, ...]:
     """Layer i's unrolled path of a stacked parameter path ("layers", ...)."""
     return (f"layers_{i}", *path[1:])
 
@@ -451,7 +450,7 @@ def load_params(model_dir: str, model: Transformer, mesh) -> dict:
             if path[0] == "layers":
                 read = _stacked_reader(
                     [
-                        _reader(handles, tensors, *hf_name(_layer_path(path, i)), dtype)
+                        _reader(handles, tensors, *hf_name(layer_path(path, i)), dtype)
                         for i in range(leaf.shape[0])
                     ]
                 )
@@ -459,57 +458,6 @@ def load_params(model_dir: str, model: Transformer, mesh) -> dict:
                 read = _reader(handles, tensors, *hf_name(path), dtype)
             params[path] = jax.make_array_from_callback(leaf.shape, shardings[path], read)
     return traverse_util.unflatten_dict(params)
-
-
-def save_params(
-    params, hf_config: Mapping, out_dir: str, *, dtype: str | None = None, max_shard_bytes: int = 5 * 2**30
-) -> None:
-    """Write `params` as a Hugging Face checkpoint: config.json and (sharded) safetensors.
-
-    Every process joins the gather of sharded arrays; only process 0 writes. A scanned model's
-    stacked `layers` leaves are written as one tensor per layer.
-    """
-    flat = traverse_util.flatten_dict(params)
-    np_dtype = np.dtype(jax.numpy.dtype(dtype)) if dtype else None
-    tensors = {}
-    for path, x in flat.items():
-        host = sharding.to_host(x)
-        per_layer = (
-            [(_layer_path(path, i), host[i]) for i in range(host.shape[0])]
-            if path[0] == "layers"
-            else [(path, host)]
-        )
-        for p, h in per_layer:
-            name, transposed = hf_name(p)
-            h = h.T if transposed else h
-            tensors[name] = np.ascontiguousarray(h.astype(np_dtype) if np_dtype else h)
-    if jax.process_index() != 0:
-        return
-    os.makedirs(out_dir, exist_ok=True)
-    shards, current, size = [], {}, 0
-    for name in sorted(tensors):
-        if current and size + tensors[name].nbytes > max_shard_bytes:
-            shards.append(current)
-            current, size = {}, 0
-        current[name] = tensors[name]
-        size += tensors[name].nbytes
-    shards.append(current)
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(out_dir, _SINGLE_FILE), metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, os.path.join(out_dir, file), metadata={"format": "pt"})
-            weight_map.update({name: file for name in shard})
-        total = sum(t.nbytes for t in tensors.values())
-        with open(os.path.join(out_dir, _INDEX_FILE), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    config = dict(hf_config)
-    config["dtype"] = str(np.dtype(next(iter(tensors.values())).dtype))
-    config.pop("torch_dtype", None)
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
 
 
 # Files that hold a tokenizer's vocabulary, any one of which AutoTokenizer can load.

@@ -71,6 +71,8 @@ _RANGES = {
     "filter.gen_batch_prompts": "[1, inf)",
     "filter.max_num_gen_batches": "[0, inf)",
     "checkpoint.every": "[1, inf)",
+    "checkpoint.every_minutes": "[0, inf)",
+    "export.max_shard_bytes": "[1, inf)",
     "checkpoint.keep": "[1, inf)",
     "eval.every": "[0, inf)",
     "metrics.completions_every": "[0, inf)",

@@ -11,16 +11,18 @@ One step (docs/dapo_spec.md sections 1-5; the README draws it):
 A run resumes by itself from the newest checkpoint in its workdir that restores (a damaged newer
 one is skipped with a warning), and a resumed run continues exactly as the uninterrupted one would
 have: the step's PRNG key is derived from the seed and the step, and the data order and the
-filter's carried groups are in the checkpoint. SIGTERM (TPU preemption) finishes the step, saves
-and exits with status 75 (`PREEMPTED`, EX_TEMPFAIL), so that a supervisor or requeue script
-tells a preempted run (restart it) from a finished one (0) and a bad config (2). On a pod the
-hosts see the signal at different steps: after every step they all-gather their flags, so that
-all of them save at the same step and stop. When another process dies, JAX's coordination
-service ends the survivors within `--heartbeat_timeout` seconds with a message naming it
-(`_peer_failure` says so first where a collective fails with an error) instead of leaving them
-hanging in a collective; relaunching all of them resumes from the last complete checkpoint.
-A non-finite loss or gradient skips the update;
-`max_consecutive_nonfinite` of them in a row stop the run with a checkpoint of the last good state.
+filter's carried groups are in the checkpoint. SIGTERM (TPU preemption) to any process stops
+every process of the run within seconds, abandoning the step in flight, with exit status 75
+(`PREEMPTED`, EX_TEMPFAIL: `preemption`), so that a supervisor or requeue script tells a
+preempted run (restart it: it resumes from the last checkpoint) from a finished one (0), a bad
+config (2) and a crash (1); checkpoints come every `checkpoint.every` steps and every
+`checkpoint.every_minutes` of wall clock. After each generation batch the processes check that
+they agree on the rewards and the kept groups (`hosts.check_agreed`). When another process dies,
+JAX's coordination service ends the survivors within `--heartbeat_timeout` seconds with a message
+naming it (`_peer_failure` says so first where a collective fails with an error) instead of
+leaving them hanging in a collective; relaunching all of them resumes from the last complete
+checkpoint. A non-finite loss or gradient skips the update; `max_consecutive_nonfinite` of them
+in a row stop the run with a checkpoint of the last good state.
 Run it from the repository root (the config files import `configs.common`).
 """
 
@@ -31,9 +33,9 @@ import itertools
 import math
 import os
 import shutil
-import signal
 import sys
 import tempfile
+import threading
 import time
 
 import jax
@@ -41,7 +43,6 @@ import ml_collections
 import numpy as np
 import tqdm
 from absl import app, flags, logging
-from jax.experimental import multihost_utils
 from ml_collections import config_flags
 
 from dapo_jax import (
@@ -49,6 +50,7 @@ from dapo_jax import (
     data,
     dynamic_sampling,
     hf_io,
+    hf_save,
     hosts,
     hub,
     metrics,
@@ -56,6 +58,7 @@ from dapo_jax import (
     overrides,
     packing,
     paths,
+    preemption,
     programs,
     rollout,
     rollout_correction,
@@ -75,7 +78,7 @@ from dapo_jax.run import (
     profile_steps,
 )
 
-PREEMPTED = 75  # exit status after SIGTERM's checkpoint (EX_TEMPFAIL: requeue me)
+PREEMPTED = preemption.PREEMPTED  # exit status of a preempted run (EX_TEMPFAIL: requeue me)
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/FILE.py:VARIANT", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "run directory: checkpoints, metrics, export")
@@ -196,26 +199,6 @@ def _logp_agreement(
     return out
 
 
-class _Preemption:
-    """Remembers a SIGTERM so that the loop can save before it exits."""
-
-    def __init__(self):
-        self.requested = False
-        signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum, frame):
-        logging.warning("SIGTERM: saving a checkpoint after this step, then exiting")
-        self.requested = True
-
-    def agreed(self) -> bool:
-        """Whether any process has had a SIGTERM: every process calls this once per step and
-        gets the same answer (an all-gather of the flags), so that all save at the same step."""
-        if jax.process_count() == 1:
-            return self.requested
-        flags_P = multihost_utils.process_allgather(np.int32(self.requested))
-        return bool(np.asarray(flags_P).any())
-
-
 def _peer_failure(error: Exception, run: Run) -> None:
     """A collective of a multi-process run failed: most likely another process died. Says so,
     waits for JAX's coordination service to name the dead process(es) (it declares a process
@@ -225,6 +208,8 @@ def _peer_failure(error: Exception, run: Run) -> None:
     from jax._src import distributed  # the client of jax.distributed.initialize
 
     me, n = jax.process_index(), jax.process_count()
+    if preemption.noticed():  # a peer has left for the preemption: this process's exit follows
+        threading.Event().wait()
     reason = " ".join(str(error).split())[:300]
     print(
         f"error: process {me}: a collective with the other processes failed ({reason}); "
@@ -280,28 +265,29 @@ def evaluate(run: Run, params, step: int, sample_rows: list | None = None, ks=No
 
 def export_hf(run: Run, params, out: str | None = None, dtype: str | None = None) -> str:
     """`params` as a Hugging Face model directory (weights, config, tokenizer), by default the
-    workdir's `export/` in `export.dtype`; also `python -m dapo_jax.export`'s. Written to a local
-    folder and checked there, then copied through the path layer when `out` is a URL."""
+    workdir's `export/` in `export.dtype`; also `python -m dapo_jax.export`'s. Every process
+    writes its own safetensors shards straight into `out`, local or a URL (`hf_save`); process 0
+    then adds the tokenizer and generation_config.json and checks the folder as a load would."""
     out = out or str(paths.run_path(run.workdir) / "export")
     dtype = dtype or run.config.export.dtype
-    if not paths.is_url(out):
-        _write_export(run, params, out, dtype)
+    hf_save.save_params(
+        params, run.hf_config, out, dtype=dtype, max_shard_bytes=run.config.export.max_shard_bytes
+    )
+    if jax.process_index() != 0:
         return out
-    with tempfile.TemporaryDirectory(prefix="dapo-export-") as local:
-        _write_export(run, params, local, dtype)
-        if jax.process_index() == 0:
-            paths.upload_tree(local, out)
-    return out
-
-
-def _write_export(run: Run, params, out: str, dtype: str) -> None:
-    hf_io.save_params(params, run.hf_config, out, dtype=dtype)
-    if jax.process_index() == 0:
+    gen = os.path.join(run.config.model.path, "generation_config.json")
+    if not paths.is_url(out):
         run.tokenizer.save_pretrained(out)
-        gen = os.path.join(run.config.model.path, "generation_config.json")
         if os.path.isfile(gen):
             shutil.copy(gen, out)
         hf_io.check_model_folder(out)  # what a load of the export checks, before anyone loads it
+        return out
+    with tempfile.TemporaryDirectory(prefix="dapo-export-") as local:  # the small files only
+        run.tokenizer.save_pretrained(local)
+        if os.path.isfile(gen):
+            shutil.copy(gen, local)
+        paths.upload_tree(local, out)
+    return out
 
 
 @contextlib.contextmanager
@@ -512,58 +498,78 @@ def completion_records(
 def train(c: ml_collections.ConfigDict, workdir: str, checkpoint_dir: str | None = None) -> dict:
     """Run (or resume) the configured training in `workdir` (checkpoints in `checkpoint_dir`,
     default `workdir/checkpoints`); returns the last step's metrics (with `export_dir` when this
-    call trained). Hub ids in `c` resolve to cached folders first."""
+    call trained). Hub ids in `c` resolve to cached folders first. A SIGTERM from here on stops
+    the process (and every other of the run) with status 75 (`preemption`)."""
     c = hub.resolve_config(c)
     check_config(c)
     check_workdir(workdir)
     paths.run_path(workdir).mkdir(parents=True, exist_ok=True)  # gs:// stays a URL
-    run = build(c, workdir)
-    ckpt = checkpoint.Checkpointer(
-        workdir, keep=c.checkpoint.keep, directory=checkpoint_dir, asynchronous=c.checkpoint.asynchronous
-    )
+    before_exit = []
+    watcher = preemption.Preemption(before_exit)
+    try:
+        run = build(c, workdir)
+        ckpt = checkpoint.Checkpointer(
+            workdir, keep=c.checkpoint.keep, directory=checkpoint_dir, asynchronous=c.checkpoint.asynchronous
+        )
+        before_exit.append(ckpt.wait)  # a save in flight completes, where it can in the grace time
+        try:
+            return _train(run, ckpt)
+        except jax.errors.JaxRuntimeError as e:
+            if jax.process_count() > 1:
+                _peer_failure(e, run)
+            raise
+        finally:
+            ckpt.close()
+            run.scorer.close()
+    finally:
+        watcher.close()
+
+
+def _train(run: Run, ckpt: checkpoint.Checkpointer) -> dict:
+    """`train`'s loop: restore, the step-0 evaluation, the steps with their metrics and
+    checkpoints (every `checkpoint.every` steps, at the end, after `checkpoint.every_minutes`,
+    and before a stop for non-finite updates), then the export."""
+    c, workdir = run.config, run.workdir
     prompts, filt = data.PromptIterator(run.train_examples, c.seed), make_filter(c)
     examples_by_problem = {ex["problem_id"]: ex for ex in run.train_examples}
-    try:
-        start, state, nonfinite_run = _restore_or_start(run, ckpt, prompts, filt)
-        writer = _metrics_writer(c, workdir, start)
-        profiled = profile_steps(c.profile.steps)
-        preemption = _Preemption()
-        summary = {}
-        if start == 0 and c.eval.at_start and run.eval_examples:
-            summary = evaluate(run, state.params, 0)
-            writer.write(0, summary)
-            print(f"step     0  held-out {_eval_text(summary)}", flush=True)
-        for step in range(start + 1, c.train.steps + 1):
-            with _trace(workdir, step, profiled):
-                state, summary, batch = _step(run, state, prompts, filt, step)
-            skipped = summary["actor/skipped_updates"]
-            nonfinite_run = nonfinite_run + skipped if skipped else 0
-            if skipped:
-                logging.warning("step %d: %d update(s) skipped: non-finite loss or gradient", step, skipped)
-            _record(run, writer, state, step, summary, batch, examples_by_problem)
-            stop = nonfinite_run >= c.train.max_consecutive_nonfinite
-            preempted = preemption.agreed()
-            if step % c.checkpoint.every == 0 or step == c.train.steps or preempted or stop:
-                extras = {"seed": np.int64(c.seed), "data": prompts.state(), "filter": filt.state()}
-                ckpt.save(step, state, {**extras, "nonfinite_run": np.int64(nonfinite_run)})
-            if stop:
-                raise FloatingPointError(
-                    f"step {step}: {nonfinite_run} updates in a row had a non-finite loss or "
-                    f"gradient; the last good state is checkpointed in {ckpt.directory}"
-                )
-            if preempted:
-                sys.exit(PREEMPTED)  # `finally` waits for the checkpoint to be written
-        writer.close()
-        if c.train.steps > start:
-            summary["export_dir"] = export_hf(run, state.params)
-        return summary
-    except jax.errors.JaxRuntimeError as e:
-        if jax.process_count() > 1:
-            _peer_failure(e, run)
-        raise
-    finally:
-        ckpt.close()
-        run.scorer.close()
+    start, state, nonfinite_run = _restore_or_start(run, ckpt, prompts, filt)
+    writer = _metrics_writer(c, workdir, start)
+    profiled = profile_steps(c.profile.steps)
+    clock = preemption.ClockCadence(c.checkpoint.every_minutes)
+    summary = {}
+    if start == 0 and c.eval.at_start and run.eval_examples:
+        summary = evaluate(run, state.params, 0)
+        writer.write(0, summary)
+        print(f"step     0  held-out {_eval_text(summary)}", flush=True)
+    for step in range(start + 1, c.train.steps + 1):
+        with _trace(workdir, step, profiled):
+            state, summary, batch = _step(run, state, prompts, filt, step)
+        skipped = summary["actor/skipped_updates"]
+        nonfinite_run = nonfinite_run + skipped if skipped else 0
+        if skipped:
+            logging.warning("step %d: %d update(s) skipped: non-finite loss or gradient", step, skipped)
+        _record(run, writer, state, step, summary, batch, examples_by_problem)
+        stop = nonfinite_run >= c.train.max_consecutive_nonfinite
+        if step % c.checkpoint.every == 0 or step == c.train.steps or stop or clock.due():
+            extras = {"seed": np.int64(c.seed), "data": prompts.state(), "filter": filt.state()}
+            ckpt.save(step, state, {**extras, "nonfinite_run": np.int64(nonfinite_run)})
+            clock.saved()
+        if stop:
+            raise FloatingPointError(
+                f"step {step}: {nonfinite_run} updates in a row had a non-finite loss or "
+                f"gradient; the last good state is checkpointed in {ckpt.directory}"
+            )
+    writer.close()
+    if c.train.steps > start or not _exported(workdir):  # also an export cut by a preemption
+        summary["export_dir"] = export_hf(run, state.params)
+    return summary
+
+
+def _exported(workdir: str) -> bool:
+    """Whether the workdir's export/ is complete: its config.json (written after every shard)
+    and its tokenizer (after that)."""
+    export = paths.run_path(workdir) / "export"
+    return (export / "config.json").exists() and (export / "tokenizer_config.json").exists()
 
 
 def _metrics_writer(c: ml_collections.ConfigDict, workdir: str, start: int) -> metrics.MetricsWriter:
@@ -670,18 +676,28 @@ def quiet_logging() -> None:
         logging.set_verbosity(logging.WARNING)
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments {argv[1:]}")
-    quiet_logging()
+def start_distributed() -> None:
+    """With --multihost, `jax.distributed.initialize` (and gloo for CPU devices' collectives):
+    train's, evaluate's and export's first act, before anything starts JAX's backends."""
     if _MULTIHOST.value:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices' collectives
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        # CPU programs one after the other: with XLA:CPU's asynchronous dispatch, a process of the
+        # four-process CPU pod (tests/test_pod.py) blocked in dispatching the rollout weights'
+        # copy while the others waited in a collective (jax#25861); accelerators are unaffected.
+        jax.config.update("jax_cpu_enable_async_dispatch", False)
         jax.distributed.initialize(
             _COORDINATOR.value,
             _NUM_PROCESSES.value,
             _PROCESS_ID.value,
             heartbeat_timeout_seconds=_HEARTBEAT.value,
         )
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    quiet_logging()
+    start_distributed()
     if _CONFIG.value is None or _WORKDIR.value is None:
         raise app.UsageError("--config and --workdir are required")
     try:

@@ -78,12 +78,12 @@ def build_model(out: str, seed: int) -> dict:
     import jax  # pylint: disable=import-outside-toplevel
     import make_tiny_model  # pylint: disable=import-outside-toplevel
 
-    from dapo_jax import hf_io, model, sharding  # pylint: disable=import-outside-toplevel
+    from dapo_jax import hf_io, hf_save, model, sharding  # pylint: disable=import-outside-toplevel
 
     hf_config = workload.HF_CONFIG
     m = model.Transformer(hf_io.config_from_hf(hf_config, dtype="float32"))
     mesh = sharding.make_mesh({"data": -1}, devices=jax.devices()[:1])
-    hf_io.save_params(sharding.init_params(m, mesh, jax.random.key(seed)), hf_config, out)
+    hf_save.save_params(sharding.init_params(m, mesh, jax.random.key(seed)), hf_config, out)
     make_tiny_model.build_tokenizer().save_pretrained(out)
     with open(os.path.join(out, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": 2, "pad_token_id": 0, "bos_token_id": 1}, f)

@@ -29,7 +29,7 @@ import tokenizers
 import transformers
 from tokenizers import decoders, models
 
-from dapo_jax import hf_io, model, sft, sharding, synthetic
+from dapo_jax import hf_io, hf_save, model, sft, sharding, synthetic
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
 import workload  # noqa: E402
@@ -140,7 +140,7 @@ def main():
         seed=args.seed,
     )
 
-    hf_io.save_params(params, HF_CONFIG, args.out)
+    hf_save.save_params(params, HF_CONFIG, args.out)
     tokenizer.save_pretrained(args.out)
     with open(os.path.join(args.out, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": 2, "pad_token_id": 0, "bos_token_id": 1}, f, indent=2)

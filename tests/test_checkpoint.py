@@ -108,6 +108,44 @@ def test_no_checkpoint_that_restores_is_one_error_naming_each(tmp_path):
     ckpt.close()
 
 
+def _two_saved(tmp_path):
+    mesh = sharding.make_mesh({"fsdp": -1})
+    abstract = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), _state(mesh, 0)
+    )
+    ckpt = checkpoint.Checkpointer(str(tmp_path), asynchronous=False)
+    for step in (1, 2):
+        ckpt.save(step, _state(mesh, step), {"n": np.int64(step)})
+    return ckpt, abstract
+
+
+def _other_process(monkeypatch, answer):
+    """Process 0 of two; process 1's part of each all-gather is `answer(this process's value)`."""
+    monkeypatch.setattr(checkpoint.hosts, "allgather_json", lambda mine: [mine, answer(mine)])
+
+
+def test_a_step_that_fails_on_another_process_is_given_up_by_all(tmp_path, monkeypatch, caplog):
+    """Checkpoint 2 restores here but not on process 1 (a transient read error): both restore
+    1, the same step, and 2 is deleted to be saved again."""
+    ckpt, abstract = _two_saved(tmp_path)
+    errors = iter(["process 1: OSError: transient read error"])
+    _other_process(monkeypatch, lambda mine: mine if isinstance(mine, list) else next(errors, ""))
+    with caplog.at_level(logging.WARNING):
+        step, state, host = ckpt.restore_latest(abstract)
+    assert (step, int(host["n"])) == (1, 1)
+    assert "cannot be restored, skipped: process 1: OSError: transient read error" in caplog.text
+    assert ckpt.all_steps() == [1]
+    ckpt.close()
+
+
+def test_processes_that_see_different_checkpoints_stop_with_one_line(tmp_path, monkeypatch):
+    ckpt, abstract = _two_saved(tmp_path)
+    _other_process(monkeypatch, lambda mine: [1])
+    with pytest.raises(CheckpointError, match=r"process 0: \[1, 2\]; process 1: \[1\]\): give every"):
+        ckpt.restore_latest(abstract)
+    ckpt.close()
+
+
 def test_a_gs_workdir_stays_a_url(monkeypatch):
     opened = []
     monkeypatch.setattr(

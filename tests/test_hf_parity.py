@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from dapo_jax import hf_io, model, sharding
+from dapo_jax import hf_io, hf_save, model, sharding
 
 from conftest import build_hf_model
 
@@ -86,7 +86,7 @@ def test_round_trip_loads_in_transformers(qwen2_dir, tmp_path):
     ours, params = _our_logits(qwen2_dir, tokens, mask)
     out = str(tmp_path / "exported")
     params = jax.tree.map(lambda x: x + 0.01, params)  # a changed model, so nothing is copied by chance
-    hf_io.save_params(params, hf_io.read_hf_config(qwen2_dir), out, max_shard_bytes=20_000)
+    hf_save.save_params(params, hf_io.read_hf_config(qwen2_dir), out, max_shard_bytes=20_000)
     assert os.path.isfile(os.path.join(out, "model.safetensors.index.json"))  # sharded on save
     cfg = hf_io.config_from_hf(hf_io.read_hf_config(out), dtype="float32")
     expected = np.asarray(model.forward(model.Transformer(cfg), params, tokens, mask))

@@ -76,6 +76,7 @@ def test_allgather_json_pads_and_cuts_each_payload(monkeypatch):
         return np.stack([x, padded])
 
     monkeypatch.setattr(hosts.multihost_utils, "process_allgather", process_allgather)
+    monkeypatch.setattr(hosts.jax, "process_count", lambda: 2)
     assert hosts.allgather_json("me") == ["me", other]
 
 

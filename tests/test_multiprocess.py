@@ -1,9 +1,9 @@
 """Two JAX processes (jax.distributed over gloo, two CPU devices each) on a mesh that spans both:
-their gathered rollouts equal one process's on one device, and their training run, stopped and
-resumed from its checkpoint, equals one process's uninterrupted run on the same mesh: stopped
-by a SIGTERM to one process only (both save at the same step and exit 75), or by the death of
-one process (SIGKILL: the other stops within the heartbeat timeout, naming it). (A run stopped
-by its end resumes through the same restore: test_gcs_workdir.py, one process.)"""
+their gathered rollouts equal one process's on one device, and their training run, stopped by
+the death of one process (SIGKILL: the other stops within the heartbeat timeout, naming it) and
+resumed from its checkpoint, equals one process's uninterrupted run on the same mesh. (A SIGTERM
+to one of four processes: tests/test_pod.py; a run stopped by its end resumes through the same
+restore: test_gcs_workdir.py, one process.)"""
 
 import os
 import re
@@ -178,31 +178,6 @@ def _wait_until(condition, procs, what, timeout=600):
 def _has_step(workdir, step):
     path = os.path.join(workdir, metrics.JSONL)
     return os.path.exists(path) and any(r["step"] >= step for r in metrics.read_jsonl(path))
-
-
-def test_sigterm_to_one_process_stops_both_at_the_same_step(reference, tmp_path):
-    """Only process 1 gets the signal; both save one checkpoint at the step where they agreed
-    (checkpoint.every=10: no other save happens before step 3) and exit 75; the relaunch: both
-    processes restore it, process 0 alone writes the metrics and TensorBoard events, and every
-    metric of the maths matches the one-process run's."""
-    workdir = str(tmp_path / "run")
-    every = "--config.checkpoint.every=10"
-    port = _free_port()
-    procs = _start(
-        [_train(workdir, 3, every, *_multihost(port, i)) for i in range(PROCESSES)], tmp_path, "preempted"
-    )
-    _wait_until(lambda: _has_step(workdir, 1), procs, "step 1")
-    procs[1].send_signal(signal.SIGTERM)
-    assert [p.wait(timeout=600) for p in procs] == [75, 75]
-    saved = sorted(int(d) for d in os.listdir(os.path.join(workdir, "checkpoints")) if d.isdigit())
-    last = max(r["step"] for r in metrics.read_jsonl(os.path.join(workdir, metrics.JSONL)))
-    assert saved == [last] and last < 3  # stopped early, together, after saving that step
-    port = _free_port()
-    _run_together(
-        [_train(workdir, 3, every, *_multihost(port, i)) for i in range(PROCESSES)], DEVICES_PER_PROCESS
-    )
-    assert len(os.listdir(os.path.join(workdir, "tensorboard"))) == 2  # an events file per run
-    _assert_matches(_maths(workdir), reference)
 
 
 def test_a_dead_process_stops_the_other_which_names_it(reference, tmp_path):

@@ -2,19 +2,23 @@
 mesh data 4 x fsdp 2 across all eight) on the tiny config, with a rollout mesh unlike the
 trainer's (data 4 x tensor 2). A reward that disagrees on one process stops every process with
 the same one-line error; a SIGTERM to one process mid-step stops all four with status 75 within
-30 s, and the relaunch ends with the metrics and the exported folder (written by the four
-processes, each its own safetensors shards) of one process's uninterrupted run, byte for byte.
+30 s, and the relaunch ends with the metrics of one process's uninterrupted run; a checkpoint
+exported by the four processes (`export --multihost`, each writing its own safetensors shards)
+equals its export by one process, byte for byte.
 
 This file is also the processes' entry point (`python tests/test_pod.py FAULT_PROCESS ARGS...`):
 train's command line, with process FAULT_PROCESS's reward scores negated after they are
 gathered (-1: none), as a host whose reward fn disagrees would have them."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
 
 import pytest
+
+from dapo_jax import metrics
 
 pytestmark = pytest.mark.slow  # four processes that start, compile and talk over gloo
 
@@ -30,6 +34,7 @@ def _flags(workdir, steps, *extra):
         "--config.mesh.data=4",
         "--config.mesh.fsdp=2",
         "--config.rollout.tensor_parallel=2",
+        "--config.export.max_shard_bytes=1000000",  # four shard files: one written by each process
         *small_flags(),
         f"--config.train.steps={steps}",
         f"--workdir={workdir}",
@@ -45,36 +50,56 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _cache(tmp_path_factory):
+    """A compilation cache of this file's runs alone, not the test session's: the pod's four
+    processes compile (or load) the same programs, and so reach their first collective together
+    (one that loads them all while the others compile could pass gloo's 30 s rendezvous); the
+    relaunch and the second pod load what the first compiled."""
+    global _CACHE  # noqa: PLW0603 - read by _env in the tests of this module
+    _CACHE = str(tmp_path_factory.mktemp("xla-cache"))
+
+
+_CACHE = None
+
+
 def _env(devices: int) -> dict:
-    """`devices` CPU devices a process and no compilation cache shared with the test session
-    (test_multiprocess.py says why)."""
-    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-    return {**env, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    """`devices` CPU devices a process, and this file's compilation cache."""
+    return {
+        **os.environ,
+        "JAX_COMPILATION_CACHE_DIR": _CACHE,
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+    }
 
 
-def _pod(tmp_path, name, workdir, steps, *extra, fault=-1):
-    """Start the four processes; their output in tmp_path/name-i.log."""
+def _start(tmp_path, name, argv, devices):
+    """`python ARGV` with `devices` CPU devices, output in tmp_path/NAME.log."""
+    log = open(tmp_path / f"{name}.log", "w")
+    cmd = [sys.executable, *argv]
+    return subprocess.Popen(cmd, cwd=ROOT, env=_env(devices), stdout=log, stderr=subprocess.STDOUT)
+
+
+def _pod(tmp_path, name, workdir, steps, *extra, fault=-1, program=None):
+    """Start the four processes of `program` (default: train, with `fault`), each with train's
+    command line; their output in tmp_path/name-i.log."""
+    program = program or [__file__, str(fault)]
     port = _free_port()
-    procs = []
-    for i in range(PROCESSES):
-        cmd = [
-            sys.executable,
-            __file__,
-            str(fault),
-            *_flags(workdir, steps, *extra),
-            "--multihost",
-            f"--coordinator=localhost:{port}",
-            f"--num_processes={PROCESSES}",
-            f"--process_id={i}",
-            "--heartbeat_timeout=20",
-        ]
-        log = open(tmp_path / f"{name}-{i}.log", "w")
-        procs.append(
-            subprocess.Popen(
-                cmd, cwd=ROOT, env=_env(DEVICES_PER_PROCESS), stdout=log, stderr=subprocess.STDOUT
-            )
+    multihost = [
+        "--multihost",
+        f"--coordinator=localhost:{port}",
+        f"--num_processes={PROCESSES}",
+        "--heartbeat_timeout=20",
+    ]
+    return [
+        _start(
+            tmp_path,
+            f"{name}-{i}",
+            [*program, *_flags(workdir, steps, *extra), *multihost, f"--process_id={i}"],
+            DEVICES_PER_PROCESS,
         )
-    return procs
+        for i in range(PROCESSES)
+    ]
 
 
 def _wait_all(procs, timeout):
@@ -91,6 +116,74 @@ def _wait_all(procs, timeout):
             p.kill()
             p.wait()
     return [(p.returncode if e is not None else None, e) for p, e in zip(procs, ends)]
+
+
+def _logs(tmp_path, name):
+    return "\n".join((tmp_path / f"{name}-{i}.log").read_text()[-2000:] for i in range(PROCESSES))
+
+
+def _maths(workdir):
+    from conftest import WALL_CLOCK
+
+    records = metrics.read_jsonl(os.path.join(workdir, metrics.JSONL))
+    assert [r["step"] for r in records] == [1, 2, 3]  # no step missing or repeated
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(WALL_CLOCK)} for r in records}
+
+
+def _files(folder):
+    return {name: open(os.path.join(folder, name), "rb").read() for name in sorted(os.listdir(folder))}
+
+
+def test_sigterm_to_one_process_stops_all_and_the_relaunch_equals_one_process(tmp_path):
+    """One process's uninterrupted 3-step run on the eight devices; the pod's run, process 1
+    sent SIGTERM once checkpoint 1 is complete: all four exit 75 within 30 s of it, with no
+    checkpoint past the last complete one; relaunched, the pod ends with the one-process run's
+    metrics; its last checkpoint exported by the four processes (each writing one of the four
+    shard files) equals its export by one process, byte for byte."""
+    reference, run = str(tmp_path / "reference"), str(tmp_path / "run")
+    one = _start(
+        tmp_path, "reference", [__file__, "-1", *_flags(reference, 3)], PROCESSES * DEVICES_PER_PROCESS
+    )
+    assert one.wait(timeout=600) == 0, (tmp_path / "reference.log").read_text()[-3000:]
+
+    procs = _pod(tmp_path, "preempted", run, 3)
+    first = os.path.join(run, "checkpoints", "1")
+    deadline = time.time() + 600
+    while not os.path.isdir(first):
+        assert time.time() < deadline and all(p.poll() is None for p in procs), _logs(tmp_path, "preempted")
+        time.sleep(0.1)
+    procs[1].send_signal(signal.SIGTERM)
+    t0 = time.time()
+    ended = _wait_all(procs, 120)
+    print(f"exit status and seconds after the SIGTERM: {[(rc, round(t, 1)) for rc, t in ended]}")
+    assert [rc for rc, _ in ended] == [75] * PROCESSES, _logs(tmp_path, "preempted")
+    assert max(t for _, t in ended) < 30
+    saved = sorted(int(d) for d in os.listdir(os.path.join(run, "checkpoints")) if d.isdigit())
+    assert saved and max(saved) < 3, saved  # stopped mid-run
+
+    t0 = time.time()
+    assert [rc for rc, _ in _wait_all(_pod(tmp_path, "relaunch", run, 3), 600)] == [0] * PROCESSES, _logs(
+        tmp_path, "relaunch"
+    )
+    print(f"relaunch: {time.time() - t0:.1f} s")
+    expected, got = _maths(reference), _maths(run)
+    for step in expected:  # gloo's all-reduces may sum in another order than one process's
+        assert got[step].keys() == expected[step].keys()
+        for key, value in expected[step].items():
+            assert got[step][key] == pytest.approx(value, rel=1e-4, abs=1e-5), (step, key)
+
+    # The last checkpoint exported by four processes and by one: the same bytes, and those of
+    # the run's own export (its end, by the four).
+    export = ["-m", "dapo_jax.export"]
+    pod = _pod(tmp_path, "export", run, 3, f"--out={tmp_path / 'pod'}", program=export)
+    assert [rc for rc, _ in _wait_all(pod, 300)] == [0] * PROCESSES, _logs(tmp_path, "export")
+    one = _start(tmp_path, "export", [*export, *_flags(run, 3), f"--out={tmp_path / 'one'}"], 8)
+    assert one.wait(timeout=300) == 0, (tmp_path / "export.log").read_text()[-3000:]
+    by_four, by_one = _files(tmp_path / "pod"), _files(tmp_path / "one")
+    shards = [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
+    assert [f for f in by_four if f.endswith(".safetensors")] == shards
+    assert by_four.keys() == by_one.keys() and by_four == by_one
+    assert _files(os.path.join(run, "export")) == by_one
 
 
 def test_a_reward_that_disagrees_on_one_process_stops_all_with_one_line(tmp_path):

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from test_hf_parity import _hf_logits, _left_padded_batch, _our_logits
 from test_sampler import _config, _hf_greedy, _prompts
 
-from dapo_jax import hf_io, model, sampler, sharding
+from dapo_jax import hf_io, hf_save, model, sampler, sharding
 from dapo_jax import train_step as ts
 
 
@@ -40,7 +40,7 @@ def test_qwen3_export_round_trips_through_transformers(qwen3_dir, tmp_path):
     ours, params = _our_logits(qwen3_dir, tokens, mask)
     params = jax.tree.map(lambda x: x + 0.01, params)  # a changed model: nothing copied by chance
     out = str(tmp_path / "exported")
-    hf_io.save_params(params, hf_io.read_hf_config(qwen3_dir), out)
+    hf_save.save_params(params, hf_io.read_hf_config(qwen3_dir), out)
     assert _names(out) == _names(qwen3_dir)  # the names transformers uses, q_norm / k_norm too
     with open(os.path.join(out, "config.json")) as f:
         assert json.load(f)["head_dim"] == 24

@@ -70,10 +70,11 @@ def test_resume_after_sigkill_and_sigterm_equals_uninterrupted_run(tmp_path):
     proc.wait()
     proc = _start(interrupted, *flags)
     _wait_for_step(proc, interrupted, 3)
-    proc.send_signal(signal.SIGTERM)  # preemption: finish the step, save, exit "requeue me"
-    assert proc.wait(timeout=300) == train.PREEMPTED == 75
-    saved = checkpoint.Checkpointer(interrupted).latest_step()
-    assert saved == max(r["step"] for r in metrics.read_jsonl(os.path.join(interrupted, metrics.JSONL)))
+    proc.send_signal(signal.SIGTERM)  # preemption: abandon the step in flight, exit "requeue me"
+    assert proc.wait(timeout=60) == train.PREEMPTED == 75
+    saved = checkpoint.Checkpointer(interrupted).latest_step()  # its metrics' step or the one before
+    logged = max(r["step"] for r in metrics.read_jsonl(os.path.join(interrupted, metrics.JSONL)))
+    assert saved in (logged - 1, logged)
     proc = _start(interrupted, *flags)
     assert proc.wait(timeout=900) == 0, proc.stdout.read()[-3000:]
 
