@@ -107,6 +107,8 @@ def test_logs_stop_delete_status_address_the_slice(name, zone, accelerator, runt
     (logs,) = _gcloud_calls("logs.sh", "--follow", "--worker=3", name, zone)
     assert logs[:8] == _ssh_head(name, zone, "3")
     assert shlex.split(_remote(logs)) == ["tail", "-n", "200", "-F", "~/dapo-logs/train.log"]
+    (logs,) = _gcloud_calls("logs.sh", "--job=export", name, zone)
+    assert shlex.split(_remote(logs)) == ["tail", "-n", "200", "~/dapo-logs/export.log"]
     (stop,) = _gcloud_calls("stop.sh", name, zone)
     assert stop[:8] == _ssh_head(name, zone) and "kill -TERM" in _remote(stop)
     assert _gcloud_calls("delete.sh", name, zone) == [
@@ -222,11 +224,54 @@ def test_stage_copies_once_per_worker(tmp_path):
         "storage rsync --recursive gs://bucket/Qwen2.5-32B models/qwen 32b"
     ]  # once
     assert (home / "models" / "qwen 32b" / "config.json").exists()
-    (hub,) = _gcloud_calls("stage.sh", "n", "z", "Qwen/Qwen2.5-32B", "models/q")
-    assert "~/dapo-venv/bin/hf download Qwen/Qwen2.5-32B --local-dir models/q" in _remote(hub)
-    r = subprocess.run(
-        ["bash", os.path.join(ROOT, "tpu_setup", "stage.sh"), "--dry-run", "n", "z", "s3://b/m", "models/q"],
-        capture_output=True,
-        text=True,
+    for source, message in (("s3://b/m", "s3://b/m"), ("Qwen/Qwen2.5-32B", "tpu_setup/hub_to_gcs.sh")):
+        r = subprocess.run(
+            ["bash", os.path.join(ROOT, "tpu_setup", "stage.sh"), "--dry-run", "n", "z", source, "models/q"],
+            capture_output=True,
+            text=True,
+        )
+        assert r.returncode == 2 and message in r.stderr  # no Hub download on every worker
+
+
+def test_a_hub_model_goes_to_the_bucket_once_from_worker_0(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (home / "dapo-venv" / "bin").mkdir(parents=True)
+    hf = home / "dapo-venv" / "bin" / "hf"  # "downloads" a config.json into --local-dir
+    hf.write_text(
+        '#!/usr/bin/env bash\necho hf "$@" >> "$HOME/calls"\nmkdir -p "$4" && touch "$4/config.json"\n'
     )
-    assert r.returncode == 2 and "s3://b/m" in r.stderr
+    gcloud = bin_dir / "gcloud"  # the bucket holds nothing yet
+    gcloud.write_text('#!/usr/bin/env bash\necho gcloud "$@" >> "$HOME/calls"\n[ "$2" != ls ]\n')
+    for tool in (hf, gcloud):
+        tool.chmod(0o755)
+    (call,) = _gcloud_calls("hub_to_gcs.sh", "n", "z", "Qwen/Qwen2.5-32B", "gs://b/Qwen2.5-32B")
+    assert call[:8] == _ssh_head("n", "z", "0")
+    path = f"{bin_dir}:{os.environ['PATH']}"
+    assert _on_worker(_remote(call), home, PATH=path).returncode == 0
+    calls = (home / "calls").read_text().splitlines()
+    assert calls[1] == f"hf download Qwen/Qwen2.5-32B --local-dir {home}/dapo-hub-download"
+    assert calls[2].startswith("gcloud storage rsync --recursive") and calls[2].endswith(
+        f"{home}/dapo-hub-download gs://b/Qwen2.5-32B"
+    )
+    assert not (home / "dapo-hub-download").exists()  # the scratch copy is gone
+
+
+def test_export_and_evaluate_run_on_every_worker_with_multihost():
+    for job in ("export", "evaluate"):
+        (call,) = _gcloud_calls(
+            job + ".sh", "n", "z", "configs/dapo.py:qwen2_5_32b", "gs://b/run 1", "--step=3"
+        )
+        assert call[:8] == _ssh_head("n", "z")
+        command = shlex.split(_remote(call).split("nohup ", 1)[1].split(" >/dev/null")[0])
+        assert command == [
+            "bash",
+            "tpu_setup/worker.sh",
+            job,
+            "gs://b/run 1",
+            "--config=configs/dapo.py:qwen2_5_32b",
+            "--multihost",
+            "--step=3",
+        ]

@@ -49,3 +49,16 @@ expect_args() {  # N USAGE "$@": exactly N positional arguments, or the usage li
   local n=$1 usage=$2; shift 2
   if [ $# -ne "$n" ]; then echo "usage: $(basename "$0") $usage" >&2; exit 2; fi
 }
+
+start_job() {  # NAME ZONE JOB CONFIG WORKDIR [flags...]: `python -m dapo_jax.JOB --multihost` on
+  # every worker through worker.sh, detached (nohup, stdin from /dev/null; the redirections are
+  # the background command's own, so that ssh returns at once). Each flag reaches the program as
+  # one argument, whatever it holds (quotes, spaces, tuples): it is quoted again for the workers.
+  local name=$1 zone=$2 job=$3 config=$4 workdir=$5; shift 5
+  local args; args=$(quote_args "$job" "$workdir" "--config=$config" --multihost "$@")
+  on_workers "$name" "$zone" all "cd $REMOTE_TREE || exit; nohup bash tpu_setup/worker.sh $args \
+>/dev/null 2>&1 </dev/null &"
+  if [ "$DRY_RUN" = 0 ]; then
+    echo "started $job on every worker of $name; tpu_setup/logs.sh --job=$job $name $zone shows worker 0's log"
+  fi
+}

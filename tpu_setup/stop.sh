@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Stop the run on every worker as a preemption does: SIGTERM, after which all hosts save a
-# checkpoint at the same step and exit with status 75 (launch.sh again resumes). The VMs keep
-# running, and billing: delete.sh stops the bill.
+# Stop the run on every worker as a preemption does: SIGTERM, after which every process stops
+# within seconds, abandoning the step in flight, and exits with status 75 (launch.sh again
+# resumes from the last checkpoint). The VMs keep running, and billing: delete.sh stops the bill.
 # Usage: tpu_setup/stop.sh [--dry-run] NAME ZONE
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
