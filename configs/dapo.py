@@ -5,8 +5,9 @@
         --config.model.path=/ckpt/Qwen2.5-32B --config.data.train_files=/data/dapo-math-17k.parquet
 
 Variants: `tiny` (this CPU: the shipped 0.8M-parameter base model on the synthetic arithmetic task,
-a few minutes), `qwen2_5_7b` and `qwen2_5_32b` (the paper's settings, docs/dapo_spec.md section 8, sized for
-TPU v5p slices). Every key is set here; the trainer has no hidden defaults.
+a few minutes), `qwen2_5_7b`, `qwen3_8b` (v5p-64) and `qwen2_5_32b` (v5p-128; `qwen2_5_32b_v5p64` on
+v5p-64): the paper's settings, docs/dapo_spec.md section 8, sized for TPU v5p slices
+(docs/tpu_32b_plan.md). Every key is set here; the trainer has no hidden defaults.
 """
 
 import ml_collections
@@ -108,9 +109,9 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
         top_p=0.7,
         max_problems=0,
         batch_prompts=32,
-        # prompts decoded at once: 16 x 32 samples = 512 rows, the rollout micro-batch's rows and
-        # KV cache (all 32 x 32 at once: ~82 GiB of cache per v5p chip)
-        micro_batch_prompts=16,
+        # prompts decoded at once: 8 x 32 samples = 256 rows (all 32 x 32 at once: ~82 GiB of KV
+        # cache per v5p-128 chip; 16 x 32: 125 GiB in all, docs/tpu_32b_plan.md)
+        micro_batch_prompts=8,
         at_start=True,
     )
     c.export = dict(dtype="bfloat16", max_shard_bytes=5 * 2**30)  # HF's shard files of <= 5 GiB
@@ -123,6 +124,19 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
         completions_chars=2000,  # the last characters of prompt and response kept (0: all)
     )
     c.profile = dict(steps="")  # "a,b": a jax.profiler trace of those steps in <workdir>/profile
+    return c
+
+
+def qwen2_5_32b_v5p64() -> ml_collections.ConfigDict:
+    """The 32B run on v5p-64 (32 chips, 8 hosts of 4): fsdp 4 x tensor 8, the rollout on data 4 x
+    tensor 8. Per chip the state is twice v5p-128's (11.5 GiB) and a batch's rows fall on half as
+    many chips, so every micro-batch is halved to keep v5p-128's rows per chip: the same
+    algorithm and batch, twice the sequential micro-batches (docs/tpu_32b_plan.md)."""
+    c = qwen2_5_32b()
+    c.mesh = dict(data=1, fsdp=-1, tensor=8)  # fsdp 4
+    c.train.micro_batch_size = 8  # at 16 the update needed ~101 GiB per chip
+    c.rollout.micro_batch_prompts = 8  # 128 rows, 32 on each of the 4 data groups (16: ~98 GiB)
+    c.eval.micro_batch_prompts = 4  # 128 rows
     return c
 
 
@@ -300,5 +314,6 @@ VARIANTS = {
     "smollm2_135m": smollm2_135m,
     "qwen2_5_7b": qwen2_5_7b,
     "qwen2_5_32b": qwen2_5_32b,
+    "qwen2_5_32b_v5p64": qwen2_5_32b_v5p64,
     "qwen3_8b": qwen3_8b,
 }
