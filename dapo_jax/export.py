@@ -8,9 +8,10 @@ tokenizer and generation_config.json go beside the weights). `--step` defaults t
 checkpoint, `--out` to `<workdir>/export_step_<N>`, `--dtype` to the config's `export.dtype`.
 The folder is written as the end of a run writes `<workdir>/export` (`train.export_hf`) and
 checked as a load checks it. On a pod slice, run it on every host with `--multihost` (as train):
-each process writes its own safetensors shards into `--out`, which must be a folder every
-process sees (gs://...). `--push_to_hub` uploads it to that Hub model repo (created if
-missing, private unless `--public`); nothing touches the network without it.
+each process writes its own safetensors shards into `--out` when it is a folder every process
+sees (gs://...); where each process sees a folder of its own disk, process 0 writes them all.
+`--push_to_hub` uploads it to that Hub model repo (created if missing, private unless
+`--public`); nothing touches the network without it.
 """
 
 from __future__ import annotations

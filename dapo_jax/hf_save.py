@@ -5,7 +5,8 @@ The shard plan (which tensor goes in which file) is computed from the parameters
 export dtype alone, so that every process computes the same: tensors by name, packed in order
 into files of at most `max_shard_bytes` (HF's own layout: model-0000i-of-0000n.safetensors, or
 model.safetensors when one file holds all). With n processes, process p writes the files i with
-i % n == p: it gathers each of their tensors (every process joins each gather, one tensor at a
+i % n == p (when they all see the folder; where each sees a folder of its own disk, process 0
+writes them all): it gathers each of their tensors (every process joins each gather, one tensor at a
 time; a scanned model's stacked leaves one layer at a time) and holds at most one file's tensors,
 never the whole model. After a barrier, process 0 writes the index and config.json, so that a
 folder with config.json is complete. The bytes are those of one process's export: the same plan,
@@ -24,7 +25,7 @@ from flax import traverse_util
 from jax.experimental import multihost_utils
 from safetensors.numpy import save, save_file
 
-from dapo_jax import hf_io, paths, sharding
+from dapo_jax import hf_io, hosts, paths, sharding
 
 
 class Tensor(NamedTuple):
@@ -82,8 +83,9 @@ def save_params(
     me, n = _process()
     out = paths.run_path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    writers = n if n > 1 and _shared(out, me, n) else 1
     for i, (file, tensors) in enumerate(files):
-        mine = i % n == me
+        mine = i % writers == me
         shard = {}
         for t in tensors:
             host = _gather(flat[t.path], t, np_dtype)
@@ -92,7 +94,7 @@ def save_params(
         if mine:
             _write(shard, out / file)
     if n > 1:
-        multihost_utils.sync_global_devices(f"dapo_jax.hf_save {out_dir}")
+        multihost_utils.sync_global_devices("dapo_jax.hf_save written")
     if me != 0:
         return
     if len(files) > 1:
@@ -105,6 +107,20 @@ def save_params(
     config["dtype"] = str(np_dtype or np.dtype(first.dtype))
     config.pop("torch_dtype", None)
     (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def _shared(out, me: int, n: int) -> bool:
+    """Whether every process sees the same folder `out` (gs://, or a shared file system), not a
+    folder of its own disk: each writes a marker, and each looks for everyone's; the same answer
+    on every process. Where it is not shared, process 0 writes every file."""
+    marker = out / f".dapo-export-process-{me}"
+    marker.write_text("")
+    multihost_utils.sync_global_devices("dapo_jax.hf_save markers written")
+    sees_all = all((out / f".dapo-export-process-{p}").exists() for p in range(n))
+    shared = all(hosts.allgather_json(sees_all))
+    multihost_utils.sync_global_devices("dapo_jax.hf_save markers read")
+    marker.unlink()
+    return shared
 
 
 def _process() -> tuple[int, int]:

@@ -567,9 +567,11 @@ def _train(run: Run, ckpt: checkpoint.Checkpointer) -> dict:
 
 def _exported(workdir: str) -> bool:
     """Whether the workdir's export/ is complete: its config.json (written after every shard)
-    and its tokenizer (after that)."""
+    and its tokenizer (after that); process 0's answer on every process (whose workdirs may be
+    folders of their own disks)."""
     export = paths.run_path(workdir) / "export"
-    return (export / "config.json").exists() and (export / "tokenizer_config.json").exists()
+    done = (export / "config.json").exists() and (export / "tokenizer_config.json").exists()
+    return hosts.allgather_json(done)[0]
 
 
 def _metrics_writer(c: ml_collections.ConfigDict, workdir: str, start: int) -> metrics.MetricsWriter:

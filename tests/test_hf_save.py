@@ -21,6 +21,7 @@ def test_three_processes_write_the_folder_of_one(qwen2_dir, tmp_path, monkeypatc
     one, three = tmp_path / "one", tmp_path / "three"
     hf_save.save_params(params, hf_config, str(one), dtype="bfloat16", max_shard_bytes=40_000)
     monkeypatch.setattr(hf_save.multihost_utils, "sync_global_devices", lambda name: None)
+    monkeypatch.setattr(hf_save, "_shared", lambda out, me, n: True)  # one folder, as on gs://
     written = {}
     for p in range(3):
         before = set(os.listdir(three)) if three.exists() else set()
@@ -51,3 +52,14 @@ def test_the_folder_holds_every_parameter_under_its_hf_name(qwen2_dir, tmp_path)
     for name, tensor in source.items():
         np.testing.assert_array_equal(loaded[name], tensor, err_msg=name)
     assert index["metadata"]["total_size"] == sum(t.nbytes for t in source.values())
+
+
+def test_processes_that_each_see_a_folder_of_their_own_leave_the_writing_to_process_0(tmp_path, monkeypatch):
+    """Process 0 of two: it sees process 1's marker only where the folder is shared."""
+    monkeypatch.setattr(hf_save.multihost_utils, "sync_global_devices", lambda name: None)
+    monkeypatch.setattr(hf_save.hosts, "allgather_json", lambda mine: [mine, mine])
+    out = hf_save.paths.run_path(str(tmp_path))
+    assert not hf_save._shared(out, 0, 2)  # process 1 wrote its marker on its own disk
+    (tmp_path / ".dapo-export-process-1").write_text("")  # ... or here: one folder
+    assert hf_save._shared(out, 0, 2)
+    assert sorted(os.listdir(tmp_path)) == [".dapo-export-process-1"]  # its own marker removed
