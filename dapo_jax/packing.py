@@ -3,16 +3,16 @@
 A padded rollout trains every row at the batch's width T, most of it padding when a few responses
 are long and most are short (DAPO: up to 20,480 response tokens, a few thousand on average).
 Packed, each row b's real tokens (one contiguous run: left-padded prompt, then its response)
-move to row `row_B[b]` of a [U, T] array at column `start_B[b]`; rows are filled by first-fit
-decreasing, and U is rounded up to a multiple of `rows_multiple` (a micro-batch's rows) so that
-few shapes compile. The packed row's `segment_UxT` numbers its sequences 1, 2, ... along the
+move to row `row_B[b]` of a [Y, T] array at column `start_B[b]`; rows are filled by first-fit
+decreasing, and Y is rounded up to a multiple of `rows_multiple` (a micro-batch's rows) so that
+few shapes compile. The packed row's `segment_YxT` numbers its sequences 1, 2, ... along the
 row (0: padding): attention stays within a segment (`model.segment_attention_mask`), positions
 restart at each segment (`model.segment_positions`), and the per-token arrays (loss mask,
 advantages A_i broadcast to their tokens, log-probs) move with their tokens. The token-level loss
 and its token-mean denominator are the padded batch's: the same tokens, laid out differently.
 
-Each of the k mini-batches is packed apart (its updates see only its rows), all into the same U,
-so that mini-batch i is packed rows [i U, (i + 1) U): `train_step.train_on_rollout` slices them
+Each of the k mini-batches is packed apart (its updates see only its rows), all into the same Y,
+so that mini-batch i is packed rows [i Y, (i + 1) Y): `train_step.train_on_rollout` slices them
 as it slices padded rows. Everything here is numpy (the layout is the host's decision).
 """
 
@@ -31,7 +31,7 @@ class Packing(NamedTuple):
     start_B: np.ndarray  # int, its first column there
     first_B: np.ndarray  # int, its first real column in the padded layout
     length_B: np.ndarray  # int, its real tokens
-    num_rows: int  # U
+    num_rows: int  # Y
     width: int  # T, the padded layout's and the packed rows' width
 
 
@@ -69,7 +69,7 @@ def first_fit_decreasing(length_B, width: int) -> tuple[np.ndarray, np.ndarray, 
 
 
 def _mini_batch_packings(length_B, width: int, num_mini_batches: int, rows_multiple: int):
-    """`(first_fit_decreasing of each mini-batch, U)`: U the most rows any of them needs,
+    """`(first_fit_decreasing of each mini-batch, Y)`: Y the most rows any of them needs,
     rounded up to a multiple of `rows_multiple`."""
     if len(length_B) % num_mini_batches:
         raise ValueError(
@@ -83,14 +83,14 @@ def _mini_batch_packings(length_B, width: int, num_mini_batches: int, rows_multi
 
 
 def packed_rows(length_B, width: int, num_mini_batches: int, rows_multiple: int) -> int:
-    """U, the packed rows of each mini-batch of responses (with prompts) of `length_B` tokens."""
+    """Y, the packed rows of each mini-batch of responses (with prompts) of `length_B` tokens."""
     return _mini_batch_packings(np.asarray(length_B), width, num_mini_batches, rows_multiple)[1]
 
 
 def plan(mask_BxT, num_mini_batches: int, rows_multiple: int) -> Packing:
     """The packing of a rollout's k = `num_mini_batches` contiguous mini-batches, each packed
-    apart into U rows (the most any of them needs, rounded up to a multiple of `rows_multiple`);
-    `row_B` counts from mini-batch i's first packed row, i U."""
+    apart into Y rows (the most any of them needs, rounded up to a multiple of `rows_multiple`);
+    `row_B` counts from mini-batch i's first packed row, i Y."""
     first_B, length_B = real_spans(mask_BxT)
     width = np.shape(mask_BxT)[1]
     parts, rows = _mini_batch_packings(length_B, width, num_mini_batches, rows_multiple)
@@ -107,39 +107,39 @@ def _token_index(p: Packing) -> tuple[np.ndarray, ...]:
 
 
 def pack(p: Packing, x_BxT: np.ndarray) -> np.ndarray:
-    """`x_UxT`: the real tokens' entries of the padded `x_BxT` at their packed places, 0 elsewhere.
+    """`x_YxT`: the real tokens' entries of the padded `x_BxT` at their packed places, 0 elsewhere.
     A per-row array `x_B` is broadcast to its row's tokens first (e.g. the advantages A_i)."""
     x_BxT = np.asarray(x_BxT)
     if x_BxT.ndim == 1:
         x_BxT = np.broadcast_to(x_BxT[:, None], (len(x_BxT), p.width))
     b, t, r, s = _token_index(p)
-    out_UxT = np.zeros((p.num_rows, p.width), x_BxT.dtype)
-    out_UxT[r, s] = x_BxT[b, t]
-    return out_UxT
+    out_YxT = np.zeros((p.num_rows, p.width), x_BxT.dtype)
+    out_YxT[r, s] = x_BxT[b, t]
+    return out_YxT
 
 
-def unpack(p: Packing, x_UxT: np.ndarray) -> np.ndarray:
+def unpack(p: Packing, x_YxT: np.ndarray) -> np.ndarray:
     """`x_BxT`: the inverse of `pack` on the real tokens (0 on the padded layout's padding)."""
-    x_UxT = np.asarray(x_UxT)
+    x_YxT = np.asarray(x_YxT)
     b, t, r, s = _token_index(p)
-    out_BxT = np.zeros((len(p.length_B), p.width), x_UxT.dtype)
-    out_BxT[b, t] = x_UxT[r, s]
+    out_BxT = np.zeros((len(p.length_B), p.width), x_YxT.dtype)
+    out_BxT[b, t] = x_YxT[r, s]
     return out_BxT
 
 
 def segments(p: Packing) -> np.ndarray:
-    """`segment_UxT` (int32): 1, 2, ... for the sequences of each packed row in column order, 0
+    """`segment_YxT` (int32): 1, 2, ... for the sequences of each packed row in column order, 0
     for padding."""
     b, _, r, s = _token_index(p)
-    owner_UxT = np.zeros((p.num_rows, p.width), np.int64)
-    owner_UxT[r, s] = 1 + b  # the padded row + 1 of each packed token
-    before_UxT = np.pad(owner_UxT[:, :-1], ((0, 0), (1, 0)))
-    starts_UxT = (owner_UxT != before_UxT) & (owner_UxT > 0)
-    return np.where(owner_UxT > 0, np.cumsum(starts_UxT, axis=1), 0).astype(np.int32)
+    owner_YxT = np.zeros((p.num_rows, p.width), np.int64)
+    owner_YxT[r, s] = 1 + b  # the padded row + 1 of each packed token
+    before_YxT = np.pad(owner_YxT[:, :-1], ((0, 0), (1, 0)))
+    starts_YxT = (owner_YxT != before_YxT) & (owner_YxT > 0)
+    return np.where(owner_YxT > 0, np.cumsum(starts_YxT, axis=1), 0).astype(np.int32)
 
 
 def pack_rows(p: Packing, tokens_BxT, loss_mask_BxT, adv_B) -> tuple[np.ndarray, ...]:
-    """`(tokens_UxT, segment_UxT, loss_mask_UxT, adv_UxT)` of a padded rollout's arrays: a
+    """`(tokens_YxT, segment_YxT, loss_mask_YxT, adv_YxT)` of a padded rollout's arrays: a
     `train_step.Rollout` of packed rows (segment ids in the place of the mask)."""
     return (
         pack(p, tokens_BxT).astype(np.int32),
