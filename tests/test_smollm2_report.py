@@ -77,6 +77,6 @@ def test_smollm2_data_is_held_out_and_scored_by_the_last_number():
         assert rewards.last_number_score(solution, truth)["acc"]
     # the command in data/smollm2/README.md
     train_again, test_again = synthetic.make_splits(
-        4000, 300, 0, min_operands=2, max_operands=3, max_operand=30, style="word"
+        4000, 300, 0, min_operands=2, max_operands=2, max_operand=30, style="word"
     )
     assert (train_again, test_again) == (train, test)
