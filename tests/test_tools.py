@@ -3,6 +3,7 @@ wandb (offline) logs beside JSONL and TensorBoard, a profiled step leaves its tr
 line reads emitted keys; evaluate a checkpoint or a model folder (every sample written), export
 any checkpoint step."""
 
+import dataclasses
 import glob
 import importlib.util
 import json
@@ -10,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
@@ -17,7 +19,7 @@ from flax import traverse_util
 from safetensors.numpy import load_file
 
 from configs import dapo
-from dapo_jax import evaluate, export, hf_io, metrics, rewards, run, train
+from dapo_jax import evaluate, export, hf_io, metrics, rewards, run, sampler, train
 from dapo_jax.errors import ConfigError
 
 from conftest import small
@@ -201,6 +203,43 @@ def test_export_any_step_and_evaluate_the_folder_from_the_command_line(workdir, 
     assert "4 problems x 2 samples: avg@2 " in done.stdout
     rows = [json.loads(line) for line in open(tmp_path / "eval" / "samples.jsonl")]
     assert len(rows) == 8 and all(r["length"] <= 24 for r in rows)
+
+
+@pytest.mark.slow
+def test_exported_model_decodes_our_greedy_tokens_in_transformers(workdir, tmp_path):
+    """A trained step's export, read by transformers alone, decodes greedily the tokens our
+    sampler decodes greedily from that step's weights. (The tokenizer is read as the fast
+    tokenizer it was saved as: transformers 5's AutoTokenizer forces Qwen2Tokenizer on a qwen2
+    config.json and drops the tiny character tokenizer's spaces, `hf_io.load_tokenizer`.)"""
+    import torch  # noqa: PLC0415 - the reference implementation (test extra)
+    import transformers  # noqa: PLC0415
+
+    out, _ = export.export(_config(), workdir, step=2, out=str(tmp_path / "hf"), dtype="float32")
+    built, state, _ = export.restore(_config(), workdir, 2)
+    built.scorer.close()
+    problems = [ex["prompt_text"] for ex in built.eval_examples[:3]]
+    tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(out)
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in problems]
+    assert ids == [ex["prompt_ids"] for ex in built.eval_examples[:3]]  # the run's own prompt ids
+    width, n_new = max(map(len, ids)), 24
+    prompt = np.array([[0] * (width - len(x)) + x for x in ids], np.int32)
+    mask = np.arange(width)[None] >= width - np.array([len(x) for x in ids])[:, None]
+    greedy = dataclasses.replace(built.eval_sampler.config, greedy=True, max_new_tokens=n_new)
+    ours = sampler.Sampler(built.model, greedy, built.mesh).generate(
+        state.params, prompt, mask, 1, jax.random.key(0)
+    )
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    done = hf.generate(
+        input_ids=torch.tensor(prompt, dtype=torch.long),
+        attention_mask=torch.tensor(mask, dtype=torch.long),
+        max_new_tokens=n_new,
+        do_sample=False,
+        pad_token_id=greedy.pad_id,
+    )[:, width:].numpy()
+    tokens, lengths = np.asarray(ours["tokens"]), np.asarray(ours["length"])
+    assert lengths.min() > 3  # something was decoded
+    for row in range(3):  # transformers stops a row at EOS and pads it when others go on
+        np.testing.assert_array_equal(done[row, : lengths[row]], tokens[row, : lengths[row]])
 
 
 @pytest.mark.slow
