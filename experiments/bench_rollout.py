@@ -146,8 +146,8 @@ def samplers(args, config, cfg, tokens, mask):
             runs[f"engine, {s} slots{on}"] = timed(
                 sampler.Sampler(m, paged, mesh), params, tokens, mask, args.group
             )
-            if d == 1:
-                engines[f"engine, {s} slots"] = (m, params, paged)
+            if d == 1:  # the roofline on one device
+                engines[f"engine, {s} slots{on}"] = (m, params, paged)
     return runs, engines
 
 
