@@ -89,7 +89,7 @@ def workload(mix: str = "uniform", seed: int = 0) -> ts.Rollout:
 
 def dot_rate(dtype, reps: int) -> float:
     """Best FLOP/s of the model's typical dot, [6144, 128] @ [128, 384], f32 accumulation."""
-    a = jnp.ones((ROWS * (PROMPT + RESPONSE), CFG.hidden_size), dtype)
+    a = jnp.ones((ROWS * (PROMPT + RESPONSE["uniform"]), CFG.hidden_size), dtype)
     b = jnp.ones((CFG.hidden_size, CFG.intermediate_size), dtype)
     f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
     f(a, b).block_until_ready()
