@@ -64,9 +64,12 @@ _CACHE = None
 
 
 def _env(devices: int) -> dict:
-    """`devices` CPU devices a process, and this file's compilation cache."""
+    """`devices` CPU devices a process, this file's compilation cache, and the checkout on the
+    path (the processes run this file as a script, whose own folder is sys.path[0]: the config
+    file's `from configs import common` needs the checkout's root)."""
     return {
         **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
         "JAX_COMPILATION_CACHE_DIR": _CACHE,
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
