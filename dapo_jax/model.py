@@ -385,7 +385,7 @@ class Attention(nn.Module):
             if _splash_applies(t, k):
                 out = splash_attention(q_BxTxKxGxH, kT_BxKxHxT, v_BxKxTxH, seg_BxT).astype(dtype)
             elif chunk and t > chunk:
-                out = blocked_attention(q_BxTxKxGxH, kT_BxKxHxT, v_BxKxTxH, seg_BxT, dtype, chunk, c.remat)
+                out = blocked_attention(q_BxTxKxGxH, kT_BxKxHxT, v_BxKxTxH, seg_BxT, dtype, chunk)
             else:
                 out = grouped_attention(
                     q_BxTxKxGxH, kT_BxKxHxT, v_BxKxTxH, segment_attention_mask(seg_BxT), dtype

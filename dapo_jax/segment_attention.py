@@ -3,14 +3,18 @@
 Query t reads key s iff s <= t and both lie in the same segment (a run of one nonzero id along
 the row; 0 is padding, which reads and is read by nothing). Packed rows hold several responses
 each, so most of a row's T x T score matrix is masked: above the diagonal, and below it wherever
-a key's segment ended before the query's began. `blocked_attention` cuts queries and keys into
-blocks of C and visits, for query block i, key blocks j <= i only, each through a `lax.cond`
-that skips it when no row of the batch has a query of block i and a key of block j in one
-segment (segment ids increase along a row, so that is: key block j's last segment is before
-query block i's first). The blocks it visits are combined by the online softmax (running max
-m, normaliser l and weighted sum of values, as flash attention): the result equals softmax over
-the allowed keys, in float32 scores, up to float rounding. Under remat the same code runs again
-in the backward pass, skipping the same blocks.
+a key's segment ended before the query's began. `blocked_attention` cuts each row's queries and
+keys into J blocks of C and lists, row by row, the pairs (query block i, key block j) that hold
+an allowed score: j <= i and key block j's last segment is query block i's first or later
+(segment ids increase along a row). Only those are computed, X of them at a time
+(`needed_blocks`, `_work_list`): a short segment costs its own blocks, whatever the row beside
+it holds. The forward pass combines a query block's key blocks by the online softmax (running
+max m, normaliser l and weighted sum of values, as flash attention) and keeps, besides the
+output, only each query's log-sum-exp; the backward pass (`jax.custom_vjp`) visits the same
+blocks again, recomputing p = exp(s - lse) from the scores, and adds each block's dq, dk and dv
+into its place. No T x T array exists in either pass, so the path is memory-bounded with or
+without remat, and the result equals softmax over the allowed keys, in float32 scores, up to
+float rounding.
 """
 
 from __future__ import annotations
@@ -31,100 +35,178 @@ class SegmentIds(NamedTuple):
     segment_BxT: jax.Array
 
 
-def _grouped(q_BxCxKxGxH):
-    """[B, C, K, G, H] -> [B x K, G x C, H]: one 3-d batched dot per block (see model.grouped_attention)."""
-    b, c, k, g, h = q_BxCxKxGxH.shape
-    return q_BxCxKxGxH.transpose(0, 2, 3, 1, 4).reshape(b * k, g * c, h)
-
-
-def _block_update(carry, *, q_RxMxH, kT_RxHxC, v_RxCxH, allowed_BxCxC, groups: int, dtype):
-    """The online softmax's (m, l, acc) after one more block of keys."""
-    m_RxM, l_RxM, acc_RxMxH = carry
-    r, mq, _ = q_RxMxH.shape
-    b, c = allowed_BxCxC.shape[:2]
-    scale = 1.0 / math.sqrt(q_RxMxH.shape[-1])
-    s_RxMxC = jnp.einsum("rmh,rhs->rms", q_RxMxH, kT_RxHxC, preferred_element_type=jnp.float32) * scale
-    allowed_RxMxC = jnp.broadcast_to(allowed_BxCxC[:, None, None], (b, r // b, groups, c, c)).reshape(
-        r, mq, c
-    )
-    s_RxMxC = jnp.where(allowed_RxMxC, s_RxMxC, _NEG_INF)
-    m_new_RxM = jnp.maximum(m_RxM, s_RxMxC.max(axis=-1))
-    p_RxMxC = jnp.where(allowed_RxMxC, jnp.exp(s_RxMxC - m_new_RxM[..., None]), 0.0)
-    decay_RxM = jnp.exp(m_RxM - m_new_RxM)
-    pv_RxMxH = jnp.einsum("rms,rsh->rmh", p_RxMxC.astype(dtype), v_RxCxH, preferred_element_type=jnp.float32)
-    return m_new_RxM, l_RxM * decay_RxM + p_RxMxC.sum(-1), acc_RxMxH * decay_RxM[..., None] + pv_RxMxH
-
-
 def needed_blocks(segment_BxT, chunk: int) -> jax.Array:
-    """`needed_NxN`: whether query block i reads anything of key block j (j <= i) in some row:
-    key block j's last segment is query block i's first (ids increase along a row, 0 aside).
-    Entry (i, i) is needed unless block i is all padding; entries above the diagonal never are."""
+    """`needed_BxJxJ`: whether, in row b, query block i reads anything of key block j: j <= i and
+    key block j's last segment is query block i's first or later (ids increase along a row, 0
+    aside). Entry (i, i) is needed unless query block i is all padding."""
     b, t = segment_BxT.shape
-    seg_NxBxC = segment_BxT.astype(jnp.int32).reshape(b, t // chunk, chunk).swapaxes(0, 1)
-    first_NxB = jnp.min(jnp.where(seg_NxBxC > 0, seg_NxBxC, jnp.iinfo(jnp.int32).max), axis=-1)
-    last_NxB = jnp.max(seg_NxBxC, axis=-1)
-    below_NxN = jnp.tril(jnp.ones((t // chunk,) * 2, bool))
-    return below_NxN & jnp.any(last_NxB[None, :, :] >= first_NxB[:, None, :], axis=-1)
+    seg_BxJxC = segment_BxT.astype(jnp.int32).reshape(b, t // chunk, chunk)
+    first_BxJ = jnp.min(jnp.where(seg_BxJxC > 0, seg_BxJxC, jnp.iinfo(jnp.int32).max), axis=-1)
+    last_BxJ = jnp.max(seg_BxJxC, axis=-1)
+    below_JxJ = jnp.tril(jnp.ones((t // chunk,) * 2, bool))
+    return below_JxJ[None] & (last_BxJ[:, None, :] >= first_BxJ[:, :, None])
 
 
-def _query_block(
-    i: int, chunk: int, groups: int, dtype, q_BxCxKxGxH, kT_BxKxHxT, v_BxKxTxH, seg_BxT, needed_N
-):
-    """Query block i's output `out_BxCxKxGxH` over key blocks 0..i (those of `needed_N` only)."""
-    b, c, k, g, h = q_BxCxKxGxH.shape
-    q_RxMxH = _grouped(q_BxCxKxGxH)
-    seg_q_BxC = seg_BxT[:, i * chunk : (i + 1) * chunk]
-    carry = (
-        jnp.full((b * k, g * c), _NEG_INF, jnp.float32),
-        jnp.zeros((b * k, g * c), jnp.float32),
-        jnp.zeros((b * k, g * c, h), jnp.float32),
+class _Work(NamedTuple):
+    """The W needed block pairs (`needed_blocks`), as indices of row blocks (b J + i, b J + j),
+    in row and query block order, padded to a multiple of the X pairs of a step: room for every
+    pair j <= i of every row, `count` of them real."""
+
+    query_W: jax.Array
+    key_W: jax.Array
+    count: jax.Array
+
+
+def _work_list(segment_BxT, chunk: int, per_step: int) -> _Work:
+    needed_BxJxJ = needed_blocks(segment_BxT, chunk)
+    b, j = needed_BxJxJ.shape[:2]
+    size = -(-b * j * (j + 1) // 2 // per_step) * per_step
+    row_W, i_W, j_W = jnp.nonzero(needed_BxJxJ, size=size, fill_value=0)
+    return _Work(row_W * j + i_W, row_W * j + j_W, needed_BxJxJ.sum())
+
+
+def _step_blocks(work: _Work, seg_AxC, n, per_step: int, groups: int, blocks: int):
+    """`(query_X, key_X, valid_X, allowed_Xx1xMxC)` of step n: its X pairs and which of their
+    scores are allowed (same segment, not padding, key column <= query column)."""
+    chunk = seg_AxC.shape[1]
+    w_X = n * per_step + jnp.arange(per_step)
+    query_X, key_X = work.query_W[w_X], work.key_W[w_X]
+    valid_X = w_X < work.count
+    col_X = lambda a_X: (a_X % blocks)[:, None] * chunk + jnp.arange(chunk)
+    seg_q_XxC, seg_k_XxC = seg_AxC[query_X], seg_AxC[key_X]
+    allowed_XxCxC = (
+        valid_X[:, None, None]
+        & (seg_q_XxC[:, :, None] == seg_k_XxC[:, None, :])
+        & (seg_k_XxC[:, None, :] > 0)
+        & (col_X(query_X)[:, :, None] >= col_X(key_X)[:, None, :])
     )
-    for j in range(i + 1):
-        keys = slice(j * chunk, (j + 1) * chunk)
-        seg_k_BxC = seg_BxT[:, keys]
-        allowed_BxCxC = (seg_q_BxC[:, :, None] == seg_k_BxC[:, None, :]) & (seg_k_BxC[:, None, :] > 0)
-        if i == j:
-            allowed_BxCxC = allowed_BxCxC & jnp.tril(jnp.ones((chunk, chunk), bool))
-        kT_RxHxC = kT_BxKxHxT[..., keys].reshape(b * k, h, chunk)
-        v_RxCxH = v_BxKxTxH[:, :, keys].reshape(b * k, chunk, h)
-        update = functools.partial(
-            _block_update,
-            q_RxMxH=q_RxMxH,
-            kT_RxHxC=kT_RxHxC,
-            v_RxCxH=v_RxCxH,
-            allowed_BxCxC=allowed_BxCxC,
-            groups=groups,
-            dtype=dtype,
+    x = per_step
+    allowed_Xx1xMxC = jnp.broadcast_to(allowed_XxCxC[:, None, None], (x, 1, groups, chunk, chunk))
+    return query_X, key_X, valid_X, allowed_Xx1xMxC.reshape(x, 1, groups * chunk, chunk)
+
+
+def _scores(q_XxKxMxH, kT_XxKxHxC, allowed_Xx1xMxC):
+    scale = 1.0 / math.sqrt(q_XxKxMxH.shape[-1])
+    s_XxKxMxC = jnp.einsum("xkmh,xkhc->xkmc", q_XxKxMxH, kT_XxKxHxC, preferred_element_type=jnp.float32)
+    return jnp.where(allowed_Xx1xMxC, s_XxKxMxC * scale, _NEG_INF)
+
+
+def _forward(q_AxKxMxH, kT_AxKxHxC, v_AxKxCxH, seg_AxC, work: _Work, blocks: int, per_step: int, dtype):
+    """`(out_AxKxMxH, lse_AxKxM)` in float32: the online softmax over each query block's needed
+    key blocks, X pairs a step. Pairs of one query block in one step merge by scatter: the
+    running max m first, then the sums l and acc rescaled once by exp(m_old - m_new) (at the
+    block's first pair in the step) and the step's terms added at the new max."""
+    a, k, m, h = q_AxKxMxH.shape
+    groups = m // seg_AxC.shape[1]
+
+    def step(n, carry):
+        max_AxKxM, sum_AxKxM, acc_AxKxMxH = carry
+        query_X, key_X, valid_X, allowed_Xx1xMxC = _step_blocks(work, seg_AxC, n, per_step, groups, blocks)
+        s_XxKxMxC = _scores(q_AxKxMxH[query_X], kT_AxKxHxC[key_X], allowed_Xx1xMxC)
+        max_XxKxM = s_XxKxMxC.max(-1)
+        p_XxKxMxC = jnp.where(allowed_Xx1xMxC, jnp.exp(s_XxKxMxC - max_XxKxM[..., None]), 0.0)
+        pv_XxKxMxH = jnp.einsum(
+            "xkmc,xkch->xkmh", p_XxKxMxC.astype(dtype), v_AxKxCxH[key_X], preferred_element_type=jnp.float32
         )
-        carry = update(carry) if i == j else jax.lax.cond(needed_N[j], update, lambda c: c, carry)
-    _, l_RxM, acc_RxMxH = carry
-    out_RxMxH = acc_RxMxH / jnp.where(l_RxM > 0, l_RxM, 1.0)[..., None]
-    return out_RxMxH.reshape(b, k, g, c, h).transpose(0, 3, 1, 2, 4)
+        new_max_AxKxM = max_AxKxM.at[query_X].max(max_XxKxM)
+        old_XxKxM, new_XxKxM = max_AxKxM[query_X], new_max_AxKxM[query_X]
+        first_X = valid_X & jnp.concatenate([jnp.ones(1, bool), query_X[1:] != query_X[:-1]])
+        decay_XxKxM = jnp.where(first_X[:, None, None], jnp.exp(old_XxKxM - new_XxKxM), 1.0)
+        weight_XxKxM = jnp.exp(max_XxKxM - new_XxKxM)
+        sum_AxKxM = sum_AxKxM.at[query_X].multiply(decay_XxKxM)
+        sum_AxKxM = sum_AxKxM.at[query_X].add(p_XxKxMxC.sum(-1) * weight_XxKxM)
+        acc_AxKxMxH = acc_AxKxMxH.at[query_X].multiply(decay_XxKxM[..., None])
+        acc_AxKxMxH = acc_AxKxMxH.at[query_X].add(pv_XxKxMxH * weight_XxKxM[..., None])
+        return new_max_AxKxM, sum_AxKxM, acc_AxKxMxH
+
+    init = (
+        jnp.full((a, k, m), _NEG_INF, jnp.float32),
+        jnp.zeros((a, k, m), jnp.float32),
+        jnp.zeros((a, k, m, h), jnp.float32),
+    )
+    steps = -(-work.count // per_step)
+    max_AxKxM, sum_AxKxM, acc_AxKxMxH = jax.lax.fori_loop(0, steps, step, init)
+    some_AxKxM = sum_AxKxM > 0  # queries of padding read nothing: out 0
+    out_AxKxMxH = acc_AxKxMxH / jnp.where(some_AxKxM, sum_AxKxM, 1.0)[..., None]
+    return out_AxKxMxH, jnp.where(some_AxKxM, max_AxKxM + jnp.log(jnp.where(some_AxKxM, sum_AxKxM, 1.0)), 0.0)
 
 
-def blocked_attention(
-    q_BxTxKxGxH, kT_BxKxHxT, v_BxKxTxH, segment_BxT, dtype, chunk: int, remat: bool = False
-):
+def _backward(res, dout_AxKxMxH, blocks: int, per_step: int, dtype):
+    """`(dq, dkT, dv)`: the same pairs, p = exp(s - lse) recomputed, ds = p (dp - rowsum(dout out)),
+    and each pair's dq, dk, dv added into its query and key blocks."""
+    q_AxKxMxH, kT_AxKxHxC, v_AxKxCxH, seg_AxC, work, out_AxKxMxH, lse_AxKxM = res
+    groups = q_AxKxMxH.shape[2] // seg_AxC.shape[1]
+    scale = 1.0 / math.sqrt(q_AxKxMxH.shape[-1])
+    delta_AxKxM = jnp.sum(dout_AxKxMxH * out_AxKxMxH, axis=-1)
+    dout_AxKxMxH = dout_AxKxMxH.astype(dtype)
+
+    def step(n, carry):
+        dq_AxKxMxH, dkT_AxKxHxC, dv_AxKxCxH = carry
+        query_X, key_X, _, allowed_Xx1xMxC = _step_blocks(work, seg_AxC, n, per_step, groups, blocks)
+        q_XxKxMxH, kT_XxKxHxC, v_XxKxCxH = q_AxKxMxH[query_X], kT_AxKxHxC[key_X], v_AxKxCxH[key_X]
+        dout_XxKxMxH = dout_AxKxMxH[query_X]
+        s_XxKxMxC = _scores(q_XxKxMxH, kT_XxKxHxC, allowed_Xx1xMxC)
+        p_XxKxMxC = jnp.where(allowed_Xx1xMxC, jnp.exp(s_XxKxMxC - lse_AxKxM[query_X][..., None]), 0.0)
+        dot = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
+        dv_XxKxCxH = dot("xkmc,xkmh->xkch", p_XxKxMxC.astype(dtype), dout_XxKxMxH)
+        dp_XxKxMxC = dot("xkmh,xkch->xkmc", dout_XxKxMxH, v_XxKxCxH)
+        ds_XxKxMxC = (p_XxKxMxC * (dp_XxKxMxC - delta_AxKxM[query_X][..., None]) * scale).astype(dtype)
+        return (
+            dq_AxKxMxH.at[query_X].add(dot("xkmc,xkhc->xkmh", ds_XxKxMxC, kT_XxKxHxC)),
+            dkT_AxKxHxC.at[key_X].add(dot("xkmc,xkmh->xkhc", ds_XxKxMxC, q_XxKxMxH)),
+            dv_AxKxCxH.at[key_X].add(dv_XxKxCxH),
+        )
+
+    zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+    steps = -(-work.count // per_step)
+    grads = jax.lax.fori_loop(0, steps, step, (zeros(q_AxKxMxH), zeros(kT_AxKxHxC), zeros(v_AxKxCxH)))
+    return tuple(g.astype(x.dtype) for g, x in zip(grads, (q_AxKxMxH, kT_AxKxHxC, v_AxKxCxH)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _attention(q_AxKxMxH, kT_AxKxHxC, v_AxKxCxH, seg_BxT, blocks: int, per_step: int, dtype):
+    return _attention_fwd(q_AxKxMxH, kT_AxKxHxC, v_AxKxCxH, seg_BxT, blocks, per_step, dtype)[0]
+
+
+def _attention_fwd(q_AxKxMxH, kT_AxKxHxC, v_AxKxCxH, seg_BxT, blocks: int, per_step: int, dtype):
+    chunk = kT_AxKxHxC.shape[-1]
+    work = _work_list(seg_BxT, chunk, per_step)
+    seg_AxC = seg_BxT.reshape(-1, chunk)
+    out_AxKxMxH, lse_AxKxM = _forward(
+        q_AxKxMxH, kT_AxKxHxC, v_AxKxCxH, seg_AxC, work, blocks, per_step, dtype
+    )
+    return out_AxKxMxH, (q_AxKxMxH, kT_AxKxHxC, v_AxKxCxH, seg_AxC, work, out_AxKxMxH, lse_AxKxM)
+
+
+def _attention_bwd(blocks: int, per_step: int, dtype, res, dout_AxKxMxH):
+    return (*_backward(res, dout_AxKxMxH, blocks, per_step, dtype), None)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def blocked_attention(q_BxTxKxGxH, kT_BxKxHxT, v_BxKxTxH, segment_BxT, dtype, chunk: int):
     """`out_BxTxKxGxH`: attention of each query over the earlier keys of its own segment, over
-    blocks of `chunk` queries and keys, the blocks no query can read skipped (module docstring).
-    Queries of padding (segment 0) read nothing and give 0. With `remat` each query block is
-    rematerialised in the backward pass (`jax.checkpoint`): its scores are not kept from the
-    forward, so one block's C x T of them are alive at a time, as `model.chunked_attention`'s."""
+    blocks of `chunk` queries and keys, only the blocks that hold an allowed score computed
+    (module docstring). Queries of padding (segment 0) read nothing and give 0. The layout:
+    A = B x J row blocks, each of M = G x C query rows (a block's queries of the G heads that
+    share a KV head), C key columns."""
     b, t, k, g, h = q_BxTxKxGxH.shape
-    n = -(-t // chunk)
-    pad = n * chunk - t
+    j = -(-t // chunk)
+    pad = j * chunk - t
     seg_BxT = jnp.pad(segment_BxT.astype(jnp.int32), ((0, 0), (0, pad)))
     q_BxTxKxGxH = jnp.pad(q_BxTxKxGxH, ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
+    q_AxKxMxH = (
+        q_BxTxKxGxH.reshape(b, j, chunk, k, g, h).transpose(0, 1, 3, 4, 2, 5).reshape(b * j, k, g * chunk, h)
+    )
     kT_BxKxHxT = jnp.pad(kT_BxKxHxT, ((0, 0), (0, 0), (0, 0), (0, pad)))
+    kT_AxKxHxC = kT_BxKxHxT.reshape(b, k, h, j, chunk).transpose(0, 3, 1, 2, 4).reshape(b * j, k, h, chunk)
     v_BxKxTxH = jnp.pad(v_BxKxTxH, ((0, 0), (0, 0), (0, pad), (0, 0)))
-    needed_NxN = needed_blocks(seg_BxT, chunk)
-    blocks = []
-    for i in range(n):
-        one = functools.partial(_query_block, i, chunk, g, dtype)
-        one = jax.checkpoint(one) if remat else one
-        q_BxCxKxGxH = q_BxTxKxGxH[:, i * chunk : (i + 1) * chunk]
-        blocks.append(one(q_BxCxKxGxH, kT_BxKxHxT, v_BxKxTxH, seg_BxT, needed_NxN[i]))
-    return jnp.concatenate(blocks, axis=1)[:, :t].astype(dtype)
+    v_AxKxCxH = v_BxKxTxH.reshape(b, k, j, chunk, h).transpose(0, 2, 1, 3, 4).reshape(b * j, k, chunk, h)
+    per_step = b  # X, the block pairs computed at once: as many as the batch has rows
+    out_AxKxMxH = _attention(q_AxKxMxH, kT_AxKxHxC, v_AxKxCxH, seg_BxT, j, per_step, dtype)
+    out_BxTxKxGxH = out_AxKxMxH.reshape(b, j, k, g, chunk, h).transpose(0, 1, 4, 2, 3, 5)
+    return out_BxTxKxGxH.reshape(b, j * chunk, k, g, h)[:, :t].astype(dtype)
 
 
 def splash_attention(

@@ -15,10 +15,11 @@ Each variant toggles one setting against `base` (recompute, float32, 1 micro-bat
     bf16       model.dtype bfloat16 (f32 accumulation, f32 params and optimizer)
     best       detached + 2 micro-batches + bf16
     micro8     8 micro-batches (of 8 rows)
-    packed16 / packed8   train.pack: the rows packed (`dapo_jax.packing`, on the host, inside
-               the timed update) into micro-batches of 16 / 8 packed rows of width T
+    packed16 / packed8 / packed4   train.pack: the rows packed (`dapo_jax.packing`, on the host,
+               inside the timed update) into micro-batches of 16 / 8 / 4 packed rows of width T
 `--attention_chunk 64` sets the tiny config's attention blocks (padded rows: causal prefixes;
-packed rows: `segment_attention.blocked_attention`, blocks across segments skipped).
+packed rows: `segment_attention.blocked_attention`, only the block pairs that each row's
+segments need).
 `--mix longtail` swaps the responses for DAPO's shape at a smaller scale: T = 32 + 512, 3 of
 the 64 responses (4.7%) at the 512 maximum, the others exponential with mean 96 (mean 22% of
 the maximum), where the padded update trains mostly padding.
@@ -62,6 +63,7 @@ VARIANTS = {  # name: (old_logp, dtype, micro-batches, packed rows per micro-bat
     "best": ("detached", "bfloat16", 2, 0),
     "packed16": ("recompute", "float32", 0, 16),
     "packed8": ("recompute", "float32", 0, 8),
+    "packed4": ("recompute", "float32", 0, 4),
 }
 
 

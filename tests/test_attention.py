@@ -155,19 +155,50 @@ def test_needed_blocks_by_hand():
     from dapo_jax.segment_attention import needed_blocks
 
     # blocks of 4 columns: row 0 [1111] [1112] [2222] [3333] [3333], row 1 [1112] [2222] [2222]
-    # and two of padding
+    # and two of padding; each row's blocks apart
     _, seg = _packed_rows()
-    want = np.array(
-        [
-            [1, 0, 0, 0, 0],
-            [1, 1, 0, 0, 0],  # both rows: segments 1 and 2 began in blocks 0 and 1
-            [1, 1, 1, 0, 0],  # row 1: block 2 is segment 2, which began in block 0
-            [0, 0, 0, 1, 0],  # row 0: segment 3 begins at block 3; row 1: padding
-            [0, 0, 0, 1, 1],
-        ],
-        bool,
-    )
-    np.testing.assert_array_equal(needed_blocks(seg, 4), want)
+    want_row0 = [
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],  # segments 1 and 2 begin in blocks 0 and 1
+        [0, 1, 1, 0, 0],  # segment 2 only: block 0 holds none of it
+        [0, 0, 0, 1, 0],  # segment 3 begins at block 3
+        [0, 0, 0, 1, 1],
+    ]
+    want_row1 = [
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 0],  # block 2 is segment 2, which began in block 0
+        [0, 0, 0, 0, 0],  # padding reads nothing
+        [0, 0, 0, 0, 0],
+    ]
+    np.testing.assert_array_equal(needed_blocks(seg, 4), np.array([want_row0, want_row1], bool))
+
+
+def test_blocked_attention_equals_masked_attention():
+    """Three rows (one segment over the whole row, three segments and padding, two short ones),
+    T = 37 in blocks of 8 (the last one part padding): outputs and gradients of the dense
+    segment mask's attention on every real token; padding's outputs 0."""
+    from dapo_jax.segment_attention import blocked_attention
+
+    rng = np.random.default_rng(0)
+    b, t, k, g, h = 3, 37, 2, 2, 8
+    seg = np.zeros((b, t), np.int32)
+    seg[0, :10], seg[0, 10:30], seg[0, 30:35], seg[1], seg[2, :3], seg[2, 3:9] = 1, 2, 3, 1, 1, 2
+    q, kk, v = (rng.normal(size=s).astype(np.float32) for s in ((b, t, k, g, h), (b, k, h, t), (b, k, t, h)))
+    real = (seg > 0)[:, :, None, None, None]
+    w = rng.normal(size=q.shape).astype(np.float32) * real
+    dense = lambda q, kk, v: model.grouped_attention(q, kk, v, model.segment_attention_mask(seg), np.float32)
+    blocked = lambda q, kk, v: blocked_attention(q, kk, v, seg, np.float32, 8)
+    outs = [jax.jit(f)(q, kk, v) for f in (dense, blocked)]
+    np.testing.assert_allclose(np.where(real, outs[1], 0), np.where(real, outs[0], 0), atol=1e-5)
+    np.testing.assert_array_equal(np.where(real, 0, outs[1]), 0)
+    grads = [
+        jax.jit(jax.grad(lambda *a, f=f: (f(*a) * w).sum(), argnums=(0, 1, 2)))(q, kk, v)
+        for f in (dense, blocked)
+    ]
+    for g0, g1 in zip(*grads):
+        np.testing.assert_allclose(g1, g0, atol=1e-5)
+        assert np.abs(g0).max() > 1
 
 
 @pytest.mark.slow

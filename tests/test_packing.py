@@ -1,14 +1,15 @@
 """Packed rows: the host layout by hand, and the packed log-probs, loss and gradients equal to the
 padded ones (f32)."""
 
+import dataclasses
 import functools
 
 import jax
 import numpy as np
 import pytest
-from test_train_step import FAST_COMPILE, MODEL, init, loss_cfg, rollout, single_mesh
+from test_train_step import CFG, FAST_COMPILE, MODEL, init, loss_cfg, rollout, single_mesh
 
-from dapo_jax import objective, packing
+from dapo_jax import model, objective, packing
 from dapo_jax import train_step as ts
 
 
@@ -47,31 +48,37 @@ def test_pack_segments_and_unpack_by_hand():
         packing.plan(np.array([[1, 0, 1]], bool), 1, 1)
 
 
+# packed rows' attention: the dense segment mask, or blocks of 4 of 16 columns (`blocked_attention`)
+BLOCKED = model.Transformer(dataclasses.replace(CFG, attention_chunk=4))
+
+
 def _packed(r: ts.Rollout, num_mini_batches=1, rows_multiple=2):
     p = packing.plan(r.mask_BxT, num_mini_batches, rows_multiple)
     return p, ts.Rollout(*packing.pack_rows(p, r.tokens_BxT, r.loss_mask_BxT, r.adv_B))
 
 
-def test_packed_logprobs_unpack_to_the_padded_ones():
+@pytest.mark.parametrize("packed_model", [MODEL, BLOCKED], ids=["dense", "blocked"])
+def test_packed_logprobs_unpack_to_the_padded_ones(packed_model):
     params, r = init(single_mesh()), rollout()
     p, packed = _packed(r)
     assert p.num_rows < len(r.adv_B)  # 8 rows of 16 columns in fewer
-    logprobs = jax.jit(
-        functools.partial(ts.compute_logprobs, MODEL, temperature=0.7, num_micro_batches=1),
+    logprobs = lambda m: jax.jit(
+        functools.partial(ts.compute_logprobs, m, temperature=0.7, num_micro_batches=1),
         compiler_options=FAST_COMPILE,
     )
-    padded = np.asarray(logprobs(params, r.tokens_BxT, r.mask_BxT))
-    got = packing.unpack(p, np.asarray(logprobs(params, packed.tokens_BxT, packed.mask_BxT)))
+    padded = np.asarray(logprobs(MODEL)(params, r.tokens_BxT, r.mask_BxT))
+    got = packing.unpack(p, np.asarray(logprobs(packed_model)(params, packed.tokens_BxT, packed.mask_BxT)))
     on = r.loss_mask_BxT
     np.testing.assert_allclose(got[on], padded[on], rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize(
-    "agg_mode",
-    ["token-mean"]
-    + [pytest.param(m, marks=pytest.mark.slow) for m in ("seq-mean-token-mean", "seq-mean-token-sum")],
+    "agg_mode, packed_model",
+    [("token-mean", MODEL), ("token-mean", BLOCKED)]
+    + [pytest.param(m, MODEL, marks=pytest.mark.slow) for m in ("seq-mean-token-mean", "seq-mean-token-sum")],
+    ids=["token-mean-dense", "token-mean-blocked", "seq-mean-token-mean", "seq-mean-token-sum"],
 )
-def test_packed_loss_and_gradients_equal_the_padded_ones(agg_mode):
+def test_packed_loss_and_gradients_equal_the_padded_ones(agg_mode, packed_model):
     params, r = init(single_mesh()), rollout()
     noise = np.random.default_rng(1).normal(0, 0.3, (2, *r.tokens_BxT.shape)).astype(np.float32)
     logp = jax.jit(
@@ -82,13 +89,13 @@ def test_packed_loss_and_gradients_equal_the_padded_ones(agg_mode):
     padded = ts.Batch(*r, old, ref)
     p, packed_rollout = _packed(r)
     packed = ts.Batch(*packed_rollout, packing.pack(p, old), packing.pack(p, ref))
-    grads_of = jax.jit(
-        functools.partial(ts.loss_and_grads, MODEL, loss_cfg(agg_mode)),
+    grads_of = lambda m: jax.jit(
+        functools.partial(ts.loss_and_grads, m, loss_cfg(agg_mode)),
         static_argnums=2,
         compiler_options=FAST_COMPILE,
     )
-    g_pad, m_pad = grads_of(params, padded, 1)
-    g_pack, m_pack = grads_of(params, packed, 2)  # and in 2 micro-batches of packed rows
+    g_pad, m_pad = grads_of(MODEL)(params, padded, 1)
+    g_pack, m_pack = grads_of(packed_model)(params, packed, 2)  # and in 2 micro-batches of packed rows
     assert m_pad["pg_clipfrac_upper"] > 0
     for k in m_pad:
         np.testing.assert_allclose(m_pack[k], m_pad[k], rtol=1e-5, atol=1e-6, err_msg=k)
