@@ -209,15 +209,29 @@ def blocked_attention(q_BxTxKxGxH, kT_BxKxHxT, v_BxKxTxH, segment_BxT, dtype, ch
     return out_BxTxKxGxH.reshape(b, j * chunk, k, g, h)[:, :t].astype(dtype)
 
 
+def _skipping(info, needed_JxJ):
+    """A splash `MaskInfo` of the causal mask ([1, J, J] arrays: `block_mask` 0 skip, 1 partial,
+    2 full; `data_next` the block to fetch) with the blocks of no allowed score in this row
+    skipped too, marked as the kernel's own mask processing marks a skipped block (0 and 0).
+    Diagonal blocks stay, so that a query of padding still reads itself (finite output)."""
+    keep_1xJxJ = (needed_JxJ | jnp.eye(needed_JxJ.shape[0], dtype=bool))[None]
+    zero = lambda x: jnp.where(keep_1xJxJ, x, 0).astype(x.dtype)
+    return info._replace(block_mask=zero(info.block_mask), data_next=zero(info.data_next))
+
+
 def splash_attention(
     q_BxTxKxGxH, kT_BxKxHxT, v_BxKxTxH, segment_BxT, block: int = 512, interpret: bool = False
 ):
     """The TPU path: jax's splash attention Pallas kernel (a causal `MultiHeadMask`, the segment
-    ids as its `SegmentIds`: blocks above the diagonal skipped, other segments masked), run on
-    each device of the current mesh (`jax.shard_map`: rows over data x fsdp, KV heads and their
-    G query heads over tensor, as `sharding.RULES` lay them out). T must be a multiple of
-    `block`. Padding (segment 0) attends within the padding; no real token reads it.
-    `interpret`: the Pallas interpreter (any backend; for tests)."""
+    ids as its `SegmentIds`), run on each device of the current mesh (`jax.shard_map`: rows over
+    data x fsdp, KV heads and their G query heads over tensor, as `sharding.RULES` lay them out).
+    The kernel skips a block whose `MaskInfo.block_mask` is 0; its causal mask info marks the
+    blocks above the diagonal so, and each row's copy (`_skipping`) also the blocks below it
+    that hold no two tokens of one segment (`needed_blocks` at the kernel's block size). The
+    mask infos are the kernel's scalar-prefetch operands: batched per row, jax runs the kernel
+    row by row (`pallas_call`'s batching rule, an explicit loop). T must be a multiple of
+    `block`. Padding (segment 0) attends within the padding of its block; no real token reads
+    it. `interpret`: the Pallas interpreter (any backend; for tests)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import (  # noqa: PLC0415 (TPU only)
         splash_attention_kernel as kernels,
     )
@@ -240,8 +254,16 @@ def splash_attention(
             q_seq_shards=1,
             interpret=interpret,
         )
-        one = lambda q, kk, v, s: kernel(q, kk, v, segment_ids=kernels.SegmentIds(s, s))
-        out_bxNxTxH = jax.vmap(one)(q_bxNxTxH, kT_bxkxHxT.swapaxes(2, 3), v_bxkxTxH, seg_bxT)
+
+        def one(needed_JxJ, q, kk, v, s):
+            infos = (kernel.fwd_mask_info, kernel.dq_mask_info, kernel.dkv_mask_info)
+            row_kernel = kernels.SplashAttentionKernel(
+                *(_skipping(info, needed_JxJ) for info in infos), **kernel.kwargs
+            )
+            return row_kernel(q, kk, v, segment_ids=kernels.SegmentIds(s, s))
+
+        needed_bxJxJ = needed_blocks(seg_bxT, block)
+        out_bxNxTxH = jax.vmap(one)(needed_bxJxJ, q_bxNxTxH, kT_bxkxHxT.swapaxes(2, 3), v_bxkxTxH, seg_bxT)
         return out_bxNxTxH.reshape(-1, n // g, g, t, h).transpose(0, 3, 1, 2, 4)
 
     spec = jax.sharding.PartitionSpec

@@ -204,13 +204,15 @@ def test_blocked_attention_equals_masked_attention():
 @pytest.mark.slow
 def test_splash_kernel_equals_the_blocked_path_in_the_interpreter():
     """jax's splash attention kernel (the TPU path), run by the Pallas interpreter on this CPU:
-    the blocked path's outputs and gradients on every real token."""
+    the blocked path's outputs and gradients on every real token; and it skips the blocks
+    below the diagonal that no segment spans: with NaN values in segment 1's keys, the queries
+    of segment 3 (whose blocks would read them, masked, if those blocks ran) stay finite."""
     from dapo_jax.segment_attention import blocked_attention, splash_attention
 
     rng = np.random.default_rng(0)
-    b, t, k, g, h = 2, 256, 2, 2, 16
-    seg = np.zeros((b, t), np.int32)
-    seg[0, :100], seg[0, 100:250], seg[1, :256] = 1, 2, 1
+    b, t, k, g, h = 2, 384, 2, 2, 16
+    seg = np.zeros((b, t), np.int32)  # blocks of 128: row 0 [1 1 .. 2 2] [3 ..] [3 .. 0 0], row 1 all 1
+    seg[0, :100], seg[0, 100:128], seg[0, 128:300], seg[1] = 1, 2, 3, 1
     q, kk, v = (rng.normal(size=s).astype(np.float32) for s in ((b, t, k, g, h), (b, k, h, t), (b, k, t, h)))
     real = (seg > 0)[:, :, None, None, None]
     mesh = sharding.make_mesh({"data": -1}, devices=jax.devices()[:1])
@@ -222,6 +224,11 @@ def test_splash_kernel_equals_the_blocked_path_in_the_interpreter():
             jax.jit(jax.grad(lambda *a, f=f: (f(*a) * real).sum(), argnums=(0, 1, 2)))(q, kk, v)
             for f in (splash, blocked)
         ]
+        v_nan = v.copy()
+        v_nan[0, :, :100] = np.nan
+        nan_out = jax.jit(splash)(q, kk, v_nan)
     np.testing.assert_allclose(np.where(real, outs[0], 0), np.where(real, outs[1], 0), atol=2e-5)
     for g0, g1 in zip(*grads):
         np.testing.assert_allclose(g0, g1, atol=2e-4, rtol=1e-4)
+    np.testing.assert_allclose(nan_out[0, 128:300], outs[1][0, 128:300], atol=2e-5)
+    assert np.isnan(nan_out[0, :100]).all()  # segment 1 reads them
