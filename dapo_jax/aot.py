@@ -15,7 +15,10 @@ per-chip argument / output / temporary memory, plus what stays resident beside i
 state: params and AdamW moments; the rollout weights' copy during the samplers' programs), against
 the chip's HBM, FLOPs and the time they imply at the chip's peak; then the KV cache and the HBM
 bytes each decoded token reads under the trainer's FSDP layout and under a tensor-parallel rollout
-layout. It exits 1 with a one-line message when a program does not fit.
+layout. `engine` compiles what `rollout.paged` runs on the rollout mesh (the whole rollout of a
+micro-batch, its prefill, and one decode step as its own program) and sets the step's HBM bytes
+against a count by hand (`engine_cost`) at DAPO's lengths, with the tokens/s per chip they imply.
+It exits 1 with a one-line message when a program does not fit.
 
 FLOPs. XLA's cost analysis counts a loop body once (the scanned layers, the micro-batch scan, the
 decode loop), so the FLOPs and times below are the model's, counted by hand (`model_flops`); the
@@ -38,7 +41,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from dapo_jax import hf_io, model, packing, programs, run, sampler, sharding, sizes, train_step
+from dapo_jax import engine_cost, hf_io, model, packing, programs, run, sampler, sharding, sizes, train_step
 from dapo_jax.errors import ConfigError
 
 GIB = 2**30
@@ -326,6 +329,105 @@ def decode_layouts(cfg, c, mesh, devices, chip: Chip) -> list[dict]:
     return [dict(r, kv_cache_gib=kv_bytes / GIB) for r in out]
 
 
+def _bytes(compiled) -> float:
+    cost = compiled.cost_analysis()
+    return float((cost[0] if isinstance(cost, list) else cost)["bytes accessed"])
+
+
+def engine_rows(c, cfg: model.ModelConfig, devices, chip: Chip, hbm_gib: float) -> list[dict]:
+    """The programs `rollout.paged` runs, compiled on the rollout mesh, and their HBM bytes per
+    decode step against the hand count (`engine_cost.engine_count`) at DAPO's lengths
+    (`dapo_rows`), with the tokens/s per chip each implies:
+    - `engine`: the whole rollout of one micro-batch (each data shard's prefill and decode loop),
+      its memory with the train state resident; `engine_prefill`: the prefill alone. The first's
+      bytes less the second's are the decode loop's body with its loops' bodies (the scanned
+      layers, the attention's blocks) counted once: a lower bound of a step's bytes.
+    - `engine_step`: one decode step of every shard's engine as its own program
+      (`engine_cost.step_program`, layers unrolled) at 1 and 2 layers, extrapolated to the
+      model's layers; its attention loop (one block of S (row, page) pairs counted) scaled to the
+      mean step's pairs by the bytes of a pair (one layer's `paged_decode_attention` on one chip
+      at blocks of S and 2S pairs). The Pallas kernel is compiled for that layer as well (TPU)."""
+    paged = c.copy_and_resolve_references()
+    paged.rollout.paged = True
+    p = programs.build(paged, cfg, (0,), 0, devices)
+    sh, s = engine_cost.shard(p, paged), programs.program_sizes(paged)
+    geo, n_new, tensor = sh.geometry, paged.rollout.max_new_tokens, p.rollout_mesh.shape["tensor"]
+    prompt_B, response_B = dapo_rows(geo.rows, s.prompt_len, n_new)
+    count = engine_cost.engine_count(
+        p.rollout_model.config, tensor, prompt_B, response_B, geo.page_size, geo.slots
+    )
+    print(f"engine per data shard: {sh.prompts} prompts, {geo}", flush=True)
+    resident = programs.per_chip_bytes(programs.abstract_inputs(p, paged)["rollout"].resident)
+    flops = model_flops(cfg, s.rollout_prompts * s.prompt_len, s.prompt_len / 2)
+    decode_flops = model_flops(cfg, count.tokens * sh.shards, count.pairs * geo.page_size / count.tokens)
+    rows, whole = [], {}
+    for name, (fn, args, _), f in (
+        ("engine", programs.abstract_inputs(p, paged)["rollout"], flops + decode_flops),
+        ("engine_prefill", engine_cost.prefill_program(p, paged), flops),
+    ):
+        compiled, seconds = _compile(lambda fn=fn, args=args: fn.lower(*args))
+        rows.append(_report(name, compiled, chip, hbm_gib, f / len(devices), resident, seconds))
+        whole[name] = _bytes(compiled)
+
+    step = []
+    for layers in (1, 2):
+        fn, args, _ = engine_cost.step_program(p, paged, layers)
+        step.append(_bytes(_compile(lambda fn=fn, args=args: fn.lower(*args))[0]))
+    attention = {}
+    for blocks in (1, 2):
+        for name, (fn, args, _) in engine_cost.attention_programs(p, paged, blocks * geo.slots).items():
+            if name == "pure" or (blocks == 1 and devices[0].platform == "tpu"):  # a TPU kernel
+                attention[name, blocks] = _bytes(_compile(lambda fn=fn, args=args: fn.lower(*args))[0])
+    layer, pair = step[1] - step[0], (attention["pure", 2] - attention["pure", 1]) / geo.slots
+    pairs_per_step = count.pairs / count.steps  # per layer, the shard's rows together
+    extra_pairs = cfg.num_layers * pair * (pairs_per_step - geo.slots)
+    compiled_step = step[0] + layer * (cfg.num_layers - 1) + extra_pairs
+    body = whole["engine"] - whole["engine_prefill"]
+    roofline = count.bytes_per_step
+    seconds_of = lambda per_step: count.steps * per_step / (chip.hbm_gbps * 1e9)
+    batches = paged.filter.gen_batch_prompts / s.rollout_prompts  # micro-batches a generation batch
+    row = dict(
+        program="engine_step",
+        slots=geo.slots,
+        pool_pages=geo.pool_pages,
+        steps=count.steps,
+        tokens=count.tokens,
+        mean_response=float(response_B.mean()),
+        step_bytes_1_2_layers=step,
+        pair_bytes=pair,
+        page_bytes=count.page_bytes / cfg.num_layers,
+        pairs_per_step=pairs_per_step,
+        compiled_step_gib=compiled_step / GIB,
+        loop_body_gib=body / GIB,
+        roofline_step_gib=roofline / GIB,
+        roofline_weights_gib=count.weight_bytes / GIB,
+        ratio=compiled_step / roofline,
+        loop_body_ratio=body / roofline,
+        kernel_layer_bytes=attention.get(("kernel", 1), 0.0),
+        tokens_per_s_chip=count.tokens / tensor / seconds_of(compiled_step),
+        roofline_tokens_per_s_chip=count.tokens / tensor / seconds_of(roofline),
+        gen_batch_hours=batches * seconds_of(compiled_step) / 3600,
+        roofline_gen_batch_hours=batches * seconds_of(roofline) / 3600,
+        total_gib=0.0,
+        hbm_gib=hbm_gib,
+    )
+    print(
+        f"engine_step ({geo.slots} slots, {geo.pool_pages} pages of {geo.page_size} a shard; DAPO "
+        f"lengths: mean response {row['mean_response']:.0f}, {count.steps} steps) GiB/chip/step: "
+        f"one step compiled {row['compiled_step_gib']:.2f} ({row['ratio']:.2f}x), the loop's body "
+        f"(loops once) {row['loop_body_gib']:.2f} ({row['loop_body_ratio']:.2f}x), against the "
+        f"roofline's {row['roofline_step_gib']:.2f} ({row['roofline_weights_gib']:.2f} of weights); "
+        f"{row['tokens_per_s_chip']:.0f} tokens/s/chip (roofline {row['roofline_tokens_per_s_chip']:.0f});"
+        f" a generation batch {row['gen_batch_hours']:.2f} h (roofline "
+        f"{row['roofline_gen_batch_hours']:.2f} h). One layer's attention on one chip: pure JAX "
+        f"{pair / 2**10:.1f} KiB per (row, page) pair (a page: {row['page_bytes'] / 2**10:.1f} KiB), "
+        f"{pairs_per_step:.0f} pairs a step; the Pallas kernel "
+        f"{row['kernel_layer_bytes'] / 2**20:.2f} MiB by cost analysis (0: not compiled, no TPU)",
+        flush=True,
+    )
+    return [*rows, row]
+
+
 def check_fit(rows: list[dict]) -> str | None:
     """The one-line complaint about the first program that does not fit, or None."""
     for r in rows:
@@ -338,15 +440,20 @@ def check_fit(rows: list[dict]) -> str | None:
     return None
 
 
-def dapo_lengths(rows: int, prompt_len: int, new_tokens: int, seed: int = 0) -> np.ndarray:
-    """Real tokens (prompt + response) of `rows` synthetic rows at DAPO's length distribution:
+def dapo_rows(rows: int, prompt_len: int, new_tokens: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """`(prompt_B, response_B)`: tokens of `rows` synthetic rows at DAPO's length distribution:
     4% of responses at L_max, the others exponential with mean 0.17 L_max (below L_max), a mean
     response of ~0.2 L_max (4.1k of 20,480); prompts uniform in [L / 16, L / 8] of the longest
     prompt bucket L (DAPO-Math's prompts: a few hundred tokens of 2,048)."""
     rng = np.random.default_rng(seed)
     response_B = np.minimum(rng.exponential(0.17 * new_tokens, rows).astype(int) + 1, new_tokens - 1)
     response_B[rng.random(rows) < 0.04] = new_tokens
-    return rng.integers(prompt_len // 16, prompt_len // 8 + 1, rows) + response_B
+    return rng.integers(prompt_len // 16, prompt_len // 8 + 1, rows), response_B
+
+
+def dapo_lengths(rows: int, prompt_len: int, new_tokens: int, seed: int = 0) -> np.ndarray:
+    """Real tokens (prompt + response) of `dapo_rows`."""
+    return sum(dapo_rows(rows, prompt_len, new_tokens, seed))
 
 
 def packed_shapes(c, s: programs.ProgramSizes) -> tuple[int, int]:
@@ -393,9 +500,9 @@ def analyse(c, topology: str, hbm_gib: float | None, names) -> tuple[list[dict],
     decoded token) of the config `c` for `topology`, one at a time, as `programs.build` makes
     them for a run; print and return the rows, and the complaint of `check_fit`."""
     run.check_ranges(c)
-    unknown = sorted(set(names) - {*PROGRAMS, "decode"})
+    unknown = sorted(set(names) - {*PROGRAMS, "decode", "engine"})
     if unknown:
-        raise ConfigError(f"--programs: {unknown} not among {[*PROGRAMS, 'decode']}")
+        raise ConfigError(f"--programs: {unknown} not among {[*PROGRAMS, 'decode', 'engine']}")
     kind, devices = topology_devices(topology)
     sizes.check_batch_sizes(c, len(devices))  # the batch keys against this slice's chips
     chip = CHIPS[kind]
@@ -421,6 +528,8 @@ def analyse(c, topology: str, hbm_gib: float | None, names) -> tuple[list[dict],
     if "decode" in names:
         rows_decode = decode_layouts(cfg, c, p.mesh, devices, chip)
         rows.append(dict(program="decode", layouts=rows_decode, total_gib=0.0, hbm_gib=hbm_gib))
+    if "engine" in names:
+        rows += engine_rows(c, cfg, devices, chip, hbm_gib)
     return rows, check_fit(rows)
 
 
@@ -436,7 +545,7 @@ def _define_flags():
     flags.DEFINE_list(
         "programs",
         "train,logprobs,rollout,eval,cast,decode",
-        f"which programs to compile, of {[*PROGRAMS, 'decode']}",
+        f"which programs to compile, of {[*PROGRAMS, 'decode', 'engine']}",
     )
 
 

@@ -233,7 +233,7 @@ def _decode(model, params, config, geo: Geometry, prompts: Prompts, group: int, 
     return st, run_S, done_S, pos_S + run_S
 
 
-def _step(model, params, config, geo: Geometry, prompts: Prompts, group: int, u_BxN, st: EngineState):
+def step(model, params, config, geo: Geometry, prompts: Prompts, group: int, u_BxN, st: EngineState):
     """Decode; free the slots and own pages of the ended rows and, when every running row waits
     for a page, of the last started row (which waits to start again); start waiting rows."""
     b = geo.rows
@@ -253,7 +253,7 @@ def _step(model, params, config, geo: Geometry, prompts: Prompts, group: int, u_
     return _start_rows(st, prompts, group, geo)
 
 
-def _initial_state(pools, geo: Geometry, n_new: int, pad_id: int) -> EngineState:
+def initial_state(pools, geo: Geometry, n_new: int, pad_id: int) -> EngineState:
     b, s, m = geo.rows, geo.slots, geo.pool_pages
     return EngineState(
         row_S=jnp.full((s,), b, jnp.int32),
@@ -290,13 +290,13 @@ def paged_rollout(model, config: sampler.SamplingConfig, group: int, params, pro
         partial_P=keys_P % geo.page_size != 0,
     )
     pools = prefill_pages(model, params, prompt_PxL, mask_PxL, geo)
-    st = _initial_state(pools, geo, config.max_new_tokens, config.pad_id)
+    st = initial_state(pools, geo, config.max_new_tokens, config.pad_id)
     held = p * geo.prompt_pages  # the prompts' pages; the rest start free
     st = st._replace(
         free_M=jnp.arange(geo.pool_pages, dtype=jnp.int32)[::-1], free_top=jnp.int32(geo.pool_pages - held)
     )
     st = _start_rows(st, prompts, group, geo)
-    body = lambda st: _step(model, params, config, geo, prompts, group, u_BxN, st)
+    body = lambda st: step(model, params, config, geo, prompts, group, u_BxN, st)
     st = jax.lax.while_loop(lambda st: jnp.any(st.row_S < geo.rows) | st.waiting_B.any(), body, st)
     outputs = sampler._outputs(st.tokens_BxN, st.logp_BxN, st.ended_B, st.length_B)
     return outputs, {"steps": st.steps, "waits": st.waits, "preemptions": st.preemptions}

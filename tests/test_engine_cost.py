@@ -1,0 +1,76 @@
+"""The engine's per-step HBM count (`engine_cost.engine_count`) against counts by hand, and its
+programs compiled on fake CPU devices."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dapo_jax import aot, engine_cost, hf_io
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QWEN_32B = hf_io.config_from_hf(aot.KNOWN_MODELS["Qwen2.5-32B"], dtype="bfloat16")
+
+
+def test_steps_and_pages_by_hand():
+    """Pages of 4 slots. Row 0: a prompt of 3, 2 response steps holding 3 and 4 keys (1 page
+    each); row 1: a prompt of 5, 6 steps holding 5..10 keys (2, 2, 2, 2, 3, 3 pages): 16 pairs.
+    One slot runs the rows one after the other (8 steps); two slots side by side (6)."""
+    for slots, steps in ((1, 8), (2, 6), (3, 6)):
+        count = engine_cost.engine_count(QWEN_32B, 8, [3, 5], [2, 6], 4, slots)
+        assert (count.steps, count.tokens, count.pairs) == (steps, 8, 16)
+
+
+def test_a_row_takes_the_slot_that_frees_first():
+    """Responses of 5, 2 and 4 in two slots: row 2 starts when row 1 ends (step 2), ends at 6."""
+    assert engine_cost.engine_count(QWEN_32B, 8, [1, 1, 1], [5, 2, 4], 16, 2).steps == 6
+
+
+def test_qwen2_5_32b_bytes_by_hand():
+    """Per chip of 8: the bf16 weights but the embedding table, 64 layers of q/k/v/o (40 query
+    and 8 KV heads of 128 over 5120, q/k/v biases), the MLP (3 x 5120 x 27648), two norms, the
+    final norm and the LM head (152064 x 5120); a page of 16 slots x 2 x 8 heads x 128 x 2 B x
+    64 layers / 8 = 512 KiB. The mean step reads the weights and pairs / steps pages: the rows'
+    8 steps hold at most 10 keys, one page each, over 6 steps in two slots."""
+    d, f, v = 5120, 27648, 152064
+    layer = d * 128 * (40 + 8 + 8 + 40) + 128 * (40 + 8 + 8) + 3 * d * f + 2 * d
+    weights = (64 * layer + d + v * d) * 2 / 8
+    count = engine_cost.engine_count(QWEN_32B, 8, [3, 5], [2, 6], 16, 2)
+    assert count.weight_bytes == weights
+    assert count.page_bytes == 512 * 2**10
+    assert count.pairs == 8 and count.bytes_per_step == weights + 8 * 2**19 / 6
+
+
+@pytest.mark.slow
+def test_the_engine_programs_compile_on_cpu_devices():
+    """`--programs=engine` on the tiny config, rollout on data 4 x tensor 2 in bf16: the whole
+    engine program and its prefill fit, the step's bytes grow with its layers, and the count's
+    steps take at least the tokens / slots."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dapo_jax.aot",
+            "--config=configs/dapo.py:tiny",
+            "--topology=cpu:8",
+            "--programs=engine",
+            "--config.rollout.tensor_parallel=2",
+            "--config.rollout.param_dtype=bfloat16",
+        ],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    engine, prefill, step = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [engine["program"], prefill["program"]] == ["engine", "engine_prefill"]
+    for r in (engine, prefill):
+        assert 0 < r["total_gib"] < r["hbm_gib"] and r["resident_gib"] > 0  # the train state beside
+    assert step["program"] == "engine_step" and step["steps"] >= step["tokens"] / step["slots"]
+    assert (
+        0 < step["roofline_step_gib"] and step["step_bytes_1_2_layers"][1] > step["step_bytes_1_2_layers"][0]
+    )
