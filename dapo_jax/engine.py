@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from dapo_jax import sampler, sharding
+from dapo_jax import sampler, sharding, sizes
 from dapo_jax.model import KVCache, ModelConfig, Transformer
 from dapo_jax.paged_attention import PageRefs, interleave_kv
 
@@ -55,7 +55,7 @@ def geometry(config: sampler.SamplingConfig, prompts: int, group: int, width: in
     s = min(config.decode_slots or b, b)
     j, i = -(-(width - 1) // z), -(-(width - 1 + config.max_new_tokens) // z)
     m = config.kv_pages or prompts * j + s * (i + 1)
-    if m <= prompts * j + i:
+    if m < sizes.min_kv_pages(prompts, width, config.max_new_tokens, z):
         raise ValueError(
             f"kv_pages = {m} cannot hold the {prompts} prompts' {prompts * j} pages, one row at "
             f"{config.max_new_tokens} tokens ({i} pages of {z}) and a spare: "
