@@ -365,7 +365,14 @@ def engine_rows(c, cfg: model.ModelConfig, devices, chip: Chip, hbm_gib: float) 
         ("engine", programs.abstract_inputs(p, paged)["rollout"], flops + decode_flops),
         ("engine_prefill", engine_cost.prefill_program(p, paged), flops),
     ):
-        compiled, seconds = _compile(lambda fn=fn, args=args: fn.lower(*args))
+        try:
+            compiled, seconds = _compile(lambda fn=fn, args=args: fn.lower(*args))
+        except jax.errors.JaxRuntimeError as e:  # the compiler's own "does not fit"
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            print(f"{name}: {str(e).splitlines()[0]}", flush=True)
+            rows.append(dict(program=name, total_gib=math.inf, hbm_gib=hbm_gib, error=str(e).splitlines()[0]))
+            continue
         rows.append(_report(name, compiled, chip, hbm_gib, f / len(devices), resident, seconds))
         whole[name] = _bytes(compiled)
 
@@ -382,7 +389,7 @@ def engine_rows(c, cfg: model.ModelConfig, devices, chip: Chip, hbm_gib: float) 
     pairs_per_step = count.pairs / count.steps  # per layer, the shard's rows together
     extra_pairs = cfg.num_layers * pair * (pairs_per_step - geo.slots)
     compiled_step = step[0] + layer * (cfg.num_layers - 1) + extra_pairs
-    body = whole["engine"] - whole["engine_prefill"]
+    body = whole["engine"] - whole["engine_prefill"] if len(whole) == 2 else math.nan
     roofline = count.bytes_per_step
     seconds_of = lambda per_step: count.steps * per_step / (chip.hbm_gbps * 1e9)
     batches = paged.filter.gen_batch_prompts / s.rollout_prompts  # micro-batches a generation batch
@@ -431,6 +438,8 @@ def engine_rows(c, cfg: model.ModelConfig, devices, chip: Chip, hbm_gib: float) 
 def check_fit(rows: list[dict]) -> str | None:
     """The one-line complaint about the first program that does not fit, or None."""
     for r in rows:
+        if "error" in r:
+            return f"{r['program']}: {r['error']}"
         if r["total_gib"] > r["hbm_gib"]:
             return (
                 f"{r['program']} needs {r['total_gib']:.2f} GiB per chip, "

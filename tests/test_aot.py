@@ -90,3 +90,14 @@ def test_batch_sizes_are_checked_against_the_slice_before_compiling():
     c = overrides.apply(dapo.get_config("tiny"), {"train.micro_batch_size": 24})
     with pytest.raises(ConfigError, match=r"^train.micro_batch_size 24: .* over the 8 devices .* 16 and 32$"):
         aot.analyse(c, "cpu:8", None, ["train"])
+
+
+def test_a_program_the_compiler_could_not_fit_is_the_complaint():
+    """A program whose compile ran out of HBM (the row `aot.engine_rows` makes of the compiler's
+    RESOURCE_EXHAUSTED) is named with the compiler's line, before a later row that does not fit."""
+    rows = [
+        dict(program="engine", total_gib=float("inf"), hbm_gib=95, error="RESOURCE_EXHAUSTED: 97.60G"),
+        dict(program="eval", total_gib=100.0, hbm_gib=95),
+    ]
+    assert aot.check_fit(rows) == "engine: RESOURCE_EXHAUSTED: 97.60G"
+    assert aot.check_fit(rows[1:]).startswith("eval needs 100.00 GiB per chip, 5.00 GiB more")
