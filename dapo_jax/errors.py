@@ -1,6 +1,6 @@
 """The errors that a run reports as one line (`error: ...`, exit status 2), never as a traceback.
 
-A run raises them before it compiles anything; `train.main` prints their message alone.
+A run raises them before it compiles anything; `cli.one_line_errors` prints their message alone.
 """
 
 from __future__ import annotations

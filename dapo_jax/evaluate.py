@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import jax
-from absl import app, flags
+from absl import flags
 
-from dapo_jax import evaluation, export, hf_io, hub, paths, train
-from dapo_jax.errors import CheckpointError, ConfigError
+from dapo_jax import cli, evaluation, export, hf_io, hub, paths, train
+from dapo_jax.errors import ConfigError
 from dapo_jax.run import build, check_config
 
 
@@ -91,17 +90,6 @@ def evaluate(
     return result, out
 
 
-def summary_text(m: dict) -> str:
-    """ "avg@4 0.412 ± 0.015  pass@1 ... ± ...  maj@4 ..." of an evaluation's eval/ metrics."""
-    parts = []
-    for key, value in m.items():
-        name = key.removeprefix("eval/")
-        if key.startswith("eval/") and name.startswith(("avg@", "pass@", "maj@")):
-            se = m.get(f"eval/se_{name}")
-            parts.append(f"{name} {value:.3f}" + (f" ± {se:.3f}" if se is not None else ""))
-    return "  ".join(parts)
-
-
 def _define_flags():
     """This command's flags beside train's --config (with overrides) and --workdir."""
     flags.DEFINE_integer("step", None, "with --workdir: the checkpoint step (default: newest)")
@@ -115,14 +103,9 @@ def _define_flags():
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    cli.start(argv, "config")
     f = flags.FLAGS
-    train.quiet_logging()
-    train.start_distributed()
-    if f.config is None:
-        raise app.UsageError("--config is required")
-    try:
+    with cli.one_line_errors():
         c = apply_overrides(
             f.config,
             data=f.data,
@@ -132,15 +115,13 @@ def main(argv):
             max_new_tokens=f.max_new_tokens,
         )
         result, out = evaluate(c, workdir=f.workdir, step=f.step, model=f.model, out=f.out)
-    except (ConfigError, CheckpointError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
     if jax.process_index() != 0:
         return
-    print(f"{result['eval/num_problems']} problems x {c.eval.samples} samples: {summary_text(result)}")
+    summary = evaluation.summary_text(result)
+    print(f"{result['eval/num_problems']} problems x {c.eval.samples} samples: {summary}")
     print(f"samples and metrics: {out}")
 
 
 if __name__ == "__main__":
     _define_flags()
-    app.run(main, flags_parser=train.parse_flags)
+    cli.run(main)

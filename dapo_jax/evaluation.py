@@ -87,3 +87,29 @@ def evaluate(records, ks=None) -> dict:
             standard_error(majorities),
         )
     return metrics
+
+
+def summary_text(m: dict) -> str:
+    """ "avg@4 0.412 ± 0.015  pass@1 ... ± ...  maj@4 ..." of an evaluation's eval/ metrics."""
+    parts = []
+    for key, value in m.items():
+        name = key.removeprefix("eval/")
+        if key.startswith("eval/") and name.startswith(("avg@", "pass@", "maj@")):
+            se = m.get(f"eval/se_{name}")
+            parts.append(f"{name} {value:.3f}" + (f" ± {se:.3f}" if se is not None else ""))
+    return "  ".join(parts)
+
+
+def gain_text(before: dict, after: dict) -> str | None:
+    """The avg@k gain and its standard error, sqrt(se_before^2 + se_after^2) (the two evaluations
+    draw independent samples), or None when either lacks them."""
+    key = next((k for k in after if k.startswith("eval/avg@")), None)
+    se_key = key and key.replace("eval/", "eval/se_")
+    if not key or key not in before or se_key not in before or se_key not in after:
+        return None
+    gain, se = after[key] - before[key], math.hypot(before[se_key], after[se_key])
+    return (
+        f"held-out gain: {gain:+.3f} ± {se:.3f} ({gain / se:+.1f} standard errors)"
+        if se > 0
+        else f"held-out gain: {gain:+.3f}"
+    )

@@ -17,13 +17,12 @@ sees (gs://...); where each process sees a folder of its own disk, process 0 wri
 from __future__ import annotations
 
 import os
-import sys
 
 import jax
-from absl import app, flags
+from absl import flags
 
-from dapo_jax import checkpoint, hub, paths, sharding, train
-from dapo_jax.errors import CheckpointError, ConfigError
+from dapo_jax import checkpoint, cli, hub, paths, sharding, train
+from dapo_jax.errors import ConfigError
 from dapo_jax.run import Run, build, check_config
 from dapo_jax.train_step import TrainState
 
@@ -101,18 +100,10 @@ def _define_flags():
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments {argv[1:]}")
+    cli.start(argv, "config", "workdir")
     f = flags.FLAGS
-    train.quiet_logging()
-    train.start_distributed()
-    if f.config is None or f.workdir is None:
-        raise app.UsageError("--config and --workdir are required")
-    try:
+    with cli.one_line_errors():
         out, step = export(f.config, f.workdir, f.step, f.out, f.dtype, f.push_to_hub, private=not f.public)
-    except (ConfigError, CheckpointError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
     if jax.process_index() != 0:
         return
     print(
@@ -123,4 +114,4 @@ def main(argv):
 
 if __name__ == "__main__":
     _define_flags()
-    app.run(main, flags_parser=train.parse_flags)
+    cli.run(main)

@@ -206,7 +206,6 @@ def config_from_hf(
         qk_norm=family.qk_norm,
         mlp_bias=family.model_type == "llama" and bool(hf.get("mlp_bias", False)),
         tie_word_embeddings=hf.get("tie_word_embeddings", False),
-        max_position_embeddings=_positive_int(hf, "max_position_embeddings", source, 32768),
         dtype=dtype,
         param_dtype=param_dtype,
         remat=remat,

@@ -51,7 +51,6 @@ class ModelConfig:
     qk_norm: bool = False  # True for Qwen3: RMSNorm over each q and k head before RoPE
     mlp_bias: bool = False
     tie_word_embeddings: bool = False
-    max_position_embeddings: int = 32768
     dtype: str = "bfloat16"  # compute dtype
     param_dtype: str = "float32"
     remat: bool = False  # rematerialise each decoder layer in the backward pass

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 import os
 import shutil
 import sys
@@ -42,21 +41,19 @@ import jax
 import ml_collections
 import numpy as np
 import tqdm
-from absl import app, flags, logging
-from ml_collections import config_flags
+from absl import logging
 
 from dapo_jax import (
+    assembly,
     checkpoint,
     data,
     dynamic_sampling,
+    evaluation,
     hf_io,
     hf_save,
     hosts,
     hub,
     metrics,
-    objective,
-    overrides,
-    packing,
     paths,
     preemption,
     programs,
@@ -65,7 +62,6 @@ from dapo_jax import (
     sharding,
     train_step,
 )
-from dapo_jax.errors import CheckpointError
 from dapo_jax.records import TrainBatch
 from dapo_jax.run import (
     ConfigError,
@@ -73,87 +69,11 @@ from dapo_jax.run import (
     build,
     check_config,
     check_workdir,
-    load_config_file,
     make_filter,
     profile_steps,
 )
 
 PREEMPTED = preemption.PREEMPTED  # exit status of a preempted run (EX_TEMPFAIL: requeue me)
-
-_CONFIG = config_flags.DEFINE_config_file("config", None, "configs/FILE.py:VARIANT", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "run directory: checkpoints, metrics, export")
-_MULTIHOST = flags.DEFINE_bool("multihost", False, "call jax.distributed.initialize() first")
-_COORDINATOR = flags.DEFINE_string(
-    "coordinator",
-    None,
-    "with --multihost: process 0's host:port, where JAX does not detect the "
-    "cluster by itself (it does on TPU pods and SLURM)",
-)
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "with --coordinator: how many")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "with --coordinator: this one's, 0-based")
-_HEARTBEAT = flags.DEFINE_integer(
-    "heartbeat_timeout",
-    100,
-    "with --multihost: seconds without a heartbeat after which JAX's "
-    "coordination service declares a process dead and the others stop",
-    lower_bound=1,
-)
-_CHECKPOINT_DIR = flags.DEFINE_string(
-    "checkpoint_dir",
-    None,
-    "where the checkpoints are (default WORKDIR/checkpoints): a folder "
-    "every process sees, e.g. gs://..., when the processes' workdirs are apart",
-)
-
-
-def _prompt_width(batch: TrainBatch, length_bucket: int) -> int:
-    """The prompt columns the trainer keeps: the last ones, from the first column where a row has
-    a real token, rounded up to a multiple of `length_bucket` (at most Q). The columns cut are
-    padding in every row, so the loss and the gradient are unchanged."""
-    prompt_mask_BxQ = batch.rows.prompt_mask_BxQ
-    q = prompt_mask_BxQ.shape[1]
-    if not prompt_mask_BxQ.any():
-        return 0
-    return train_step.bucket_width(q - int(np.argmax(prompt_mask_BxQ.any(axis=0))), length_bucket, q)
-
-
-def _rollout(
-    batch: TrainBatch, group_size: int, normalize_std: bool, length_bucket: int
-) -> train_step.Rollout:
-    """Host arrays of the train batch: prompt + response tokens, masks and advantages A_i.
-
-    Response columns past the longest response, and prompt columns before the longest prompt,
-    are cut, each width rounded up to a multiple of `length_bucket`: the trainer then compiles
-    few shapes and does not spend its FLOPs on padding when prompts or responses are short
-    (train.pack then packs the rows into rows of that width)."""
-    rows, valid_B = batch.rows, batch.valid_B
-    n = rows.tokens_BxN.shape[1]
-    width = train_step.bucket_width(int(rows.length_B.max()), length_bucket, n)
-    q0 = rows.prompt_tokens_BxQ.shape[1] - _prompt_width(batch, length_bucket)
-    prompt_mask_BxQ = rows.prompt_mask_BxQ[:, q0:]
-    response_mask_BxN = rows.mask_BxN[:, :width]
-    tokens_BxT = np.concatenate([rows.prompt_tokens_BxQ[:, q0:], rows.tokens_BxN[:, :width]], axis=1)
-    mask_BxT = np.concatenate([prompt_mask_BxQ, response_mask_BxN], axis=1)
-    keep_BxN = response_mask_BxN & (valid_B & rows.loss_keep_B)[:, None]
-    loss_mask_BxT = np.concatenate([np.zeros_like(prompt_mask_BxQ), keep_BxN], axis=1)
-    adv_B = np.asarray(objective.group_advantages(rows.reward_B, group_size, normalize_std))
-    return train_step.Rollout(
-        tokens_BxT.astype(np.int32), mask_BxT, loss_mask_BxT, np.where(valid_B, adv_B, 0.0).astype(np.float32)
-    )
-
-
-def _sampler_logp(batch: TrainBatch, prompt_width: int, width: int) -> np.ndarray:
-    """`logp_BxT` of the sampler aligned with `_rollout`'s tokens of width T: 0 over the
-    `prompt_width` prompt columns, the sampler's log-probs over the response ones."""
-    rows = batch.rows
-    prompt_BxQ = np.zeros((rows.logp_BxN.shape[0], prompt_width), np.float32)
-    return np.concatenate([prompt_BxQ, rows.logp_BxN[:, : width - prompt_width]], axis=1)
-
-
-def _to_device(x: np.ndarray, mesh):
-    """A host array, identical on every process, as a global array sharded over the batch axes."""
-    s = sharding.batch_sharding(mesh, x.ndim)
-    return jax.make_array_from_callback(x.shape, s, lambda index: x[index])
 
 
 def _data_metrics(batch: TrainBatch) -> dict:
@@ -382,30 +302,15 @@ def _step(
     t0 = time.time()
     batch, filter_stats = _sample_train_batch(run, run.rollout_weights(state.params), prompts, filt, step)
     t_rollout = time.time() - t0
-    host = _rollout(
-        batch,
-        c.rollout.group_size,
-        c.loss.normalize_std,
-        c.train.length_bucket,
-    )
-    prompt_width = _prompt_width(batch, c.train.length_bucket)
-    k = c.train.train_batch_prompts // c.train.mini_batch_prompts
-    layout = packing.plan(host.mask_BxT, k, c.train.micro_batch_size) if c.train.pack else None
-    trained = (
-        host
-        if layout is None
-        else train_step.Rollout(*packing.pack_rows(layout, host.tokens_BxT, host.loss_mask_BxT, host.adv_B))
-    )
-    device = train_step.Rollout(*(_to_device(x, run.mesh) for x in trained))
-    sampler_logp = lambda: _to_device(
-        _arranged(layout, _sampler_logp(batch, prompt_width, host.tokens_BxT.shape[1])), run.mesh
-    )
+    a = assembly.assemble(batch, c, run.mesh)
+    host, device = a.host, a.device
     t1 = time.time()
     recompute = c.loss.old_logp == "recompute"
     if recompute:
         old_logp_BxT = run.logprobs_fn(state.params, device.tokens_BxT, device.mask_BxT)
     else:
-        old_logp_BxT = sampler_logp()
+        old_logp_BxT = a.sampler_logp(batch, run.mesh)
+    sampler_logp = lambda: a.sampler_logp(batch, run.mesh)
     device, is_weight_BxT, correction = _corrected(run, sampler_logp, device, old_logp_BxT)
     state, updates = train_step.train_on_rollout(
         run.train_step,
@@ -413,7 +318,7 @@ def _step(
         run.mesh,
         state,
         device,
-        k,
+        c.train.train_batch_prompts // c.train.mini_batch_prompts,
         run.ref_params,
         old_logp_BxT,
         is_weight_BxT,
@@ -423,8 +328,8 @@ def _step(
     if recompute:
         agreement = _logp_agreement(
             batch.rows.logp_BxN,
-            prompt_width,
-            _arranged(layout, sharding.to_host(old_logp_BxT), back=True),
+            a.prompt_width,
+            assembly.arranged(a.layout, sharding.to_host(old_logp_BxT), back=True),
             host.loss_mask_BxT,
             batch.carried_B,
         )
@@ -436,14 +341,6 @@ def _step(
 
 
 _correct = jax.jit(rollout_correction.correct, static_argnums=0)
-
-
-def _arranged(layout: packing.Packing | None, x_BxT: np.ndarray, back: bool = False) -> np.ndarray:
-    """A host array of the padded rollout in the trained layout: packed rows with train.pack
-    (`back`: from them), else as it is."""
-    if layout is None:
-        return x_BxT
-    return packing.unpack(layout, x_BxT) if back else packing.pack(layout, x_BxT)
 
 
 def _corrected(run: Run, sampler_logp, device: train_step.Rollout, old_logp_BxT):
@@ -540,7 +437,7 @@ def _train(run: Run, ckpt: checkpoint.Checkpointer) -> dict:
     if start == 0 and c.eval.at_start and run.eval_examples:
         summary = evaluate(run, state.params, 0)
         writer.write(0, summary)
-        print(f"step     0  held-out {_eval_text(summary)}", flush=True)
+        print(f"step     0  held-out {evaluation.summary_text(summary)}", flush=True)
     for step in range(start + 1, c.train.steps + 1):
         with _trace(workdir, step, profiled):
             state, summary, batch = _step(run, state, prompts, filt, step)
@@ -608,135 +505,7 @@ def _record(
     print(metrics.console_line(step, summary), flush=True)
 
 
-def _eval_text(m: dict) -> str:
-    """ "avg@4 0.412 ± 0.015  pass@1 ..." of an evaluation's metrics (± one standard error)."""
-    parts = []
-    for key, value in m.items():
-        name = key.split("/")[-1]
-        if key.startswith("eval/") and (name.startswith("avg@") or name.endswith("@1")):
-            se = m.get(f"eval/se_{name}")
-            parts.append(f"{name} {value:.3f}" + (f" ± {se:.3f}" if se is not None else ""))
-    return "  ".join(parts)
-
-
-def _gain_text(before: dict, after: dict) -> str | None:
-    """The avg@k gain and its standard error, sqrt(se_before^2 + se_after^2) (the two evaluations
-    draw independent samples), or None when either lacks them."""
-    key = next((k for k in after if k.startswith("eval/avg@")), None)
-    se_key = key and key.replace("eval/", "eval/se_")
-    if not key or key not in before or se_key not in before or se_key not in after:
-        return None
-    gain, se = after[key] - before[key], math.hypot(before[se_key], after[se_key])
-    return (
-        f"held-out gain: {gain:+.3f} ± {se:.3f} ({gain / se:+.1f} standard errors)"
-        if se > 0
-        else f"held-out gain: {gain:+.3f}"
-    )
-
-
-def _unknown_override(config, argv) -> str | None:
-    """The first `--config.a.b=...` of argv naming no key of `config`, told with the valid keys."""
-    for arg in argv:
-        if arg.startswith("--config."):
-            flag = arg.split("=")[0]
-            try:
-                overrides.get(config, flag[len("--config.") :])
-            except ConfigError as e:
-                return f"{flag}: {e}"
-    return None
-
-
-def _config_without_overrides(argv) -> ml_collections.ConfigDict | None:
-    spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
-    if spec is None:
-        return None
-    path, _, arg = spec.partition(":")
-    try:
-        module = load_config_file(path)
-        return module.get_config(arg) if arg else module.get_config()
-    except Exception:  # noqa: BLE001 - the original error is reported instead
-        return None
-
-
-def parse_flags(argv):
-    """absl flag parsing with one-line errors for a bad config file, variant or override key."""
-    try:
-        args = flags.FLAGS(argv)
-        _CONFIG.value.keys()  # config_flags loads the file and applies overrides lazily: now
-        return args
-    except Exception as e:  # noqa: BLE001 - config_flags raises whatever the config file raised
-        config = _config_without_overrides(argv)
-        message = _unknown_override(config, argv) if config is not None else None
-        print(f"error: {message or str(e).strip().splitlines()[-1].strip()}", file=sys.stderr)
-        sys.exit(2)
-
-
-def quiet_logging() -> None:
-    """WARNING and above unless --verbosity says otherwise: orbax logs every save and restore
-    at INFO."""
-    if not flags.FLAGS["verbosity"].present:
-        logging.set_verbosity(logging.WARNING)
-
-
-def start_distributed() -> None:
-    """With --multihost, `jax.distributed.initialize` (and gloo for CPU devices' collectives):
-    train's, evaluate's and export's first act, before anything starts JAX's backends."""
-    if _MULTIHOST.value:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        # CPU programs one after the other: with XLA:CPU's asynchronous dispatch, a process of the
-        # four-process CPU pod (tests/test_pod.py) blocked in dispatching the rollout weights'
-        # copy while the others waited in a collective (jax#25861); accelerators are unaffected.
-        jax.config.update("jax_cpu_enable_async_dispatch", False)
-        jax.distributed.initialize(
-            _COORDINATOR.value,
-            _NUM_PROCESSES.value,
-            _PROCESS_ID.value,
-            heartbeat_timeout_seconds=_HEARTBEAT.value,
-        )
-
-
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments {argv[1:]}")
-    quiet_logging()
-    start_distributed()
-    if _CONFIG.value is None or _WORKDIR.value is None:
-        raise app.UsageError("--config and --workdir are required")
-    try:
-        summary = train(_CONFIG.value, _WORKDIR.value, _CHECKPOINT_DIR.value)
-    except (ConfigError, CheckpointError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except hosts.HostDisagreement as e:  # every process raises it at the same check
-        print(f"error: process {jax.process_index()}: {e}", file=sys.stderr)
-        sys.exit(1)
-    if jax.process_index() == 0:
-        _report(_WORKDIR.value, summary)
-
-
-def _report(workdir: str, summary: dict) -> None:
-    """Plots the run's curves and prints held-out accuracy before and after, and where things are."""
-    root = paths.run_path(workdir)
-    path = root / metrics.JSONL
-    if not path.is_file():
-        return
-    if not summary:
-        print(f"{workdir} has already finished its {_CONFIG.value.train.steps} steps")
-    from dapo_jax import plot  # noqa: PLC0415 - matplotlib, for the report only
-
-    plot.plot_runs([workdir], str(root / "plots"))
-    evals = [r for r in metrics.read_jsonl(path) if any(k.startswith("eval/") for k in r)]
-    if evals:
-        print(f"held-out accuracy before (step {evals[0]['step']}): {_eval_text(evals[0])}")
-        print(f"held-out accuracy after (step {evals[-1]['step']}):  {_eval_text(evals[-1])}")
-        gain = _gain_text(evals[0], evals[-1]) if len(evals) > 1 else None
-        if gain:
-            print(gain)
-    print(f"curves: {root / 'plots'}")
-    export = root / "export"
-    if export.is_dir():
-        print(f"exported model: {export}")
-
-
 if __name__ == "__main__":
-    app.run(main, flags_parser=parse_flags)
+    from dapo_jax import cli  # noqa: PLC0415 - the command line, not the library
+
+    cli.run(cli.train_main)

@@ -16,8 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # logged as (hit or miss, module name, cache key) into the JSON file named by argv[1].
 _LOGGED_TRAIN = """
 import atexit, json, logging, sys
-from absl import app
-from dapo_jax import train
+from dapo_jax import cli
 compiles = []
 class Record(logging.Handler):
     def emit(self, r):
@@ -29,7 +28,7 @@ log.propagate = False
 log.addHandler(Record())
 out = sys.argv.pop(1)
 atexit.register(lambda: json.dump(compiles, open(out, "w")))
-app.run(train.main, flags_parser=train.parse_flags)
+cli.run(cli.train_main)
 """
 
 

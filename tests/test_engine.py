@@ -7,34 +7,14 @@ import re
 import jax
 import numpy as np
 import pytest
+from test_sampler import _config, _load, _prompts
 
-from dapo_jax import engine, hf_io, model, sampler, sharding
-
-VOCAB = 96
+from dapo_jax import engine, sampler, sharding
 
 
 @pytest.fixture(scope="module")
 def single():
     return sharding.make_mesh({"data": -1}, devices=jax.devices()[:1])
-
-
-def _load(model_dir, mesh, **numerics):
-    m = model.Transformer(hf_io.config_from_hf(hf_io.read_hf_config(model_dir), dtype="float32", **numerics))
-    return m, hf_io.load_params(model_dir, m, mesh)
-
-
-def _prompts(lengths, width, seed=0):
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(1, VOCAB, size=(len(lengths), width)).astype(np.int32)
-    mask = np.arange(width)[None] >= width - np.asarray(lengths)[:, None]
-    tokens[~mask] = 0
-    return tokens, mask
-
-
-def _config(**kw):
-    return sampler.SamplingConfig(
-        **{"max_new_tokens": 10, "eos_ids": (), "pad_id": 0, "prompt_buckets": (8, 16), **kw}
-    )
 
 
 def _generate(m, params, cfg, mesh, prompt, mask, group, key, uids):

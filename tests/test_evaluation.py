@@ -89,3 +89,12 @@ def test_uneven_or_empty_records_rejected():
         evaluation.evaluate(records()[:-1])
     with pytest.raises(ValueError, match="no evaluation records"):
         evaluation.evaluate([])
+
+
+def test_held_out_text_gives_standard_errors_and_the_gain():
+    before = {"eval/avg@4": 0.40, "eval/se_avg@4": 0.03, "eval/pass@1": 0.40}
+    after = {"eval/avg@4": 0.60, "eval/se_avg@4": 0.04}
+    assert evaluation.summary_text(before) == "avg@4 0.400 ± 0.030  pass@1 0.400"
+    # gain 0.2, se sqrt(0.03^2 + 0.04^2) = 0.05: 4 standard errors.
+    assert evaluation.gain_text(before, after) == "held-out gain: +0.200 ± 0.050 (+4.0 standard errors)"
+    assert evaluation.gain_text({"eval/avg@4": 0.4}, after) is None

@@ -12,7 +12,7 @@ from etils.epath import backend
 from fsspec.implementations.memory import MemoryFileSystem
 
 from configs import dapo
-from dapo_jax import checkpoint, metrics, paths, plot, train
+from dapo_jax import checkpoint, cli, metrics, paths, plot, train
 
 from conftest import small
 
@@ -88,7 +88,7 @@ def test_a_tiny_run_in_a_gs_workdir_writes_and_reads_back_through_the_path_layer
     train.train(config, URL)
     config.train.steps = 3
     train.train(config, URL)  # resumes from step 2, rereads the metrics file on the fake GCS
-    train._report(URL, {"export_dir": f"{URL}/export"})
+    cli.report(URL, {"export_dir": f"{URL}/export"}, steps=3)
 
     assert given == [URL, URL]
     records = [json.loads(line) for line in fake_gcs[f"{URL}/metrics.jsonl"].getvalue().decode().splitlines()]

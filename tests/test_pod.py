@@ -214,9 +214,7 @@ def test_a_reward_that_disagrees_on_one_process_stops_all_with_one_line(tmp_path
 def _fault_main(argv):
     """Train, with process `argv[1]`'s gathered reward scores negated."""
     fault = int(argv[1])
-    from absl import app
-
-    from dapo_jax import hosts, train
+    from dapo_jax import cli, hosts
 
     score_batch = hosts.SplitScorer.score_batch
 
@@ -229,7 +227,7 @@ def _fault_main(argv):
         return results, stats
 
     hosts.SplitScorer.score_batch = disagreeing
-    app.run(train.main, argv=[argv[0], *argv[2:]], flags_parser=train.parse_flags)
+    cli.run(cli.train_main, argv=[argv[0], *argv[2:]])
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from flax import traverse_util
 from safetensors.numpy import load_file
 
 from configs import dapo
-from dapo_jax import evaluate, export, hf_io, metrics, rewards, run, sampler, train
+from dapo_jax import evaluate, evaluation, export, hf_io, metrics, rewards, run, sampler, train
 from dapo_jax.errors import ConfigError
 
 from conftest import small
@@ -166,7 +166,7 @@ def test_evaluate_a_checkpoint_writes_every_sample(workdir):
     assert result["eval/pass@2"] == pytest.approx(np.mean([max(a) for a in by_problem.values()]))
     assert {"eval/pass@1", "eval/maj@1", "eval/maj@2", "eval/se_pass@2", "eval/se_maj@2"} <= set(result)
     assert json.load(open(os.path.join(out, "metrics.json")))["step"] == 1
-    assert "avg@2 " in evaluate.summary_text(result) and "± " in evaluate.summary_text(result)
+    assert "avg@2 " in evaluation.summary_text(result) and "± " in evaluation.summary_text(result)
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from configs import dapo
-from dapo_jax import checkpoint, metrics, rollout, train
+from dapo_jax import assembly, checkpoint, metrics, rollout, train
 from dapo_jax.records import TrainBatch
 
 from conftest import WALL_CLOCK, small, small_flags
@@ -274,7 +274,7 @@ def test_rollout_masks_filtered_and_missing_rows_and_cuts_to_the_length_bucket()
         loss_keep_B=np.array([True, False, True, True]),
     )
     batch = TrainBatch(rows, valid_B=np.array([True, True, False, False]), carried_B=np.zeros(4, bool))
-    got = train._rollout(batch, group_size=2, normalize_std=False, length_bucket=2)
+    got = assembly.host_rollout(batch, group_size=2, normalize_std=False, length_bucket=2)
     np.testing.assert_array_equal(got.tokens_BxT[0], [7, 7, 7, 5, 5, 0, 0])
     np.testing.assert_array_equal(got.mask_BxT[1], [1, 1, 1, 1, 1, 1, 0])
     np.testing.assert_array_equal(got.loss_mask_BxT, [[0, 0, 0, 1, 1, 0, 0]] + [[0] * 7] * 3)
@@ -288,12 +288,12 @@ def test_rollout_masks_filtered_and_missing_rows_and_cuts_to_the_length_bucket()
         prompt_mask_BxQ=prompt_mask_BxQ,
     )
     batch = dataclasses.replace(batch, rows=dataclasses.replace(rows, logp_BxN=np.arange(24.0).reshape(4, 6)))
-    got = train._rollout(batch, group_size=2, normalize_std=False, length_bucket=2)
-    assert train._prompt_width(batch, 2) == 4
+    got = assembly.host_rollout(batch, group_size=2, normalize_std=False, length_bucket=2)
+    assert assembly.prompt_width(batch, 2) == 4
     np.testing.assert_array_equal(got.tokens_BxT[0], [0, 7, 7, 7, 5, 5, 0, 0])
     np.testing.assert_array_equal(got.mask_BxT[1], [0, 0, 0, 1, 1, 1, 1, 0])
     np.testing.assert_array_equal(got.loss_mask_BxT[0], [0, 0, 0, 0, 1, 1, 0, 0])
-    np.testing.assert_array_equal(train._sampler_logp(batch, 4, 8)[1], [0, 0, 0, 0, 6, 7, 8, 9])
+    np.testing.assert_array_equal(assembly.sampler_logp(batch, 4, 8)[1], [0, 0, 0, 0, 6, 7, 8, 9])
 
 
 def test_data_metrics_count_valid_rows_only():
@@ -310,12 +310,3 @@ def test_data_metrics_count_valid_rows_only():
         "data/response_length_min": 4.0,
         "data/truncated_fraction": 0.0,
     }
-
-
-def test_held_out_text_gives_standard_errors_and_the_gain():
-    before = {"eval/avg@4": 0.40, "eval/se_avg@4": 0.03, "eval/pass@1": 0.40}
-    after = {"eval/avg@4": 0.60, "eval/se_avg@4": 0.04}
-    assert train._eval_text(before) == "avg@4 0.400 ± 0.030  pass@1 0.400"
-    # gain 0.2, se sqrt(0.03^2 + 0.04^2) = 0.05: 4 standard errors.
-    assert train._gain_text(before, after) == "held-out gain: +0.200 ± 0.050 (+4.0 standard errors)"
-    assert train._gain_text({"eval/avg@4": 0.4}, after) is None

@@ -89,7 +89,7 @@ def matmul_gflops(n: int = 1024, reps: int = 20) -> float:
 
 def main():
     spec = workload.read_spec(sys.argv[1])
-    from dapo_jax import hf_io, train  # pylint: disable=import-outside-toplevel
+    from dapo_jax import cli, hf_io, train  # pylint: disable=import-outside-toplevel
 
     workload.check_round_trip(hf_io.load_tokenizer(spec["model_dir"]))
     work = tempfile.mkdtemp(prefix="bench_ours_")
@@ -99,7 +99,7 @@ def main():
             row = {"prompt": [{"role": "user", "content": p}], "reward_model": {"ground_truth": "0"}}
             f.write(json.dumps(row) + "\n")
     c = config(spec, data_file)
-    train.quiet_logging()
+    cli.quiet_logging()
     train.train(c, os.path.join(work, "run"))
     batch = len(spec["prompts"]) * spec["group_size"]
     steps = []
