@@ -23,16 +23,19 @@ from dapo_jax.sampler import Sampler
 
 @dataclasses.dataclass(frozen=True)
 class RewardShaping:
-    """The overlong rules; lengths in tokens (L_max = the sampler's max_new_tokens)."""
+    """The overlong rules, named as their config keys (`reward.*`, `rollout.max_new_tokens`);
+    lengths in tokens."""
 
-    max_len: int  # L_max
-    buffer_len: int  # L_buf
-    factor: float  # penalty at L = L_max
-    penalty: bool  # soft overlong punishment on
-    filter: bool  # overlong filtering: truncated responses carry no loss
+    max_new_tokens: int  # L_max
+    overlong_buffer: int  # L_buf
+    overlong_factor: float  # penalty at L = L_max
+    overlong_penalty: bool  # soft overlong punishment on
+    overlong_filter: bool  # overlong filtering: truncated responses carry no loss
 
     def __post_init__(self):  # the penalty's own check (0 < L_buf <= L_max), at construction
-        rewards.overlong_penalties(np.zeros(0), self.max_len, self.buffer_len, self.factor)
+        rewards.overlong_penalties(
+            np.zeros(0), self.max_new_tokens, self.overlong_buffer, self.overlong_factor
+        )
 
 
 def sample_and_score(
@@ -55,9 +58,9 @@ def sample_and_score(
         [ex["prompt_ids"] for ex in examples], prompt_len, sampler.config.pad_id
     )
     out = sampler.generate(params, prompt_PxQ, pmask_PxQ, group_size, rng)  # trims to its bucket
-    out = {k: sharding.to_host(v) for k, v in out.items()}
+    out = jax.tree.map(sharding.to_host, out)
     texts = tokenizer.batch_decode(
-        [row[:n] for row, n in zip(out["tokens"], out["length"])], skip_special_tokens=True
+        [row[:n] for row, n in zip(out.tokens_BxN, out.length_B)], skip_special_tokens=True
     )
     truths = [ex["ground_truth"] for ex in examples for _ in range(group_size)]
     contexts = [
@@ -71,11 +74,11 @@ def sample_and_score(
     return GenerationBatch(
         prompt_tokens_BxQ=repeat(prompt_PxQ),
         prompt_mask_BxQ=repeat(pmask_PxQ),
-        tokens_BxN=out["tokens"],
-        mask_BxN=out["mask"],
-        logp_BxN=out["logp"],
-        length_B=out["length"].astype(np.int32),
-        truncated_B=out["truncated"].astype(bool),
+        tokens_BxN=out.tokens_BxN,
+        mask_BxN=out.mask_BxN,
+        logp_BxN=out.logp_BxN,
+        length_B=out.length_B.astype(np.int32),
+        truncated_B=out.truncated_B.astype(bool),
         problem_id_B=repeat(np.asarray([ex["problem_id"] for ex in examples], np.int32)),
         response_B=np.asarray(texts, str),
         pred_B=np.asarray([r["pred"] for r in results], str),
@@ -90,12 +93,16 @@ def shape_rewards(batch: GenerationBatch, shaping: RewardShaping) -> GenerationB
     """The batch with the shaped reward R_i = score_i + overlong_penalty(|o_i|) and the
     per-response loss keep flag (False for truncated responses under overlong filtering)."""
     penalty_B = rewards.overlong_penalties(
-        batch.length_B, shaping.max_len, shaping.buffer_len, shaping.factor, enabled=shaping.penalty
+        batch.length_B,
+        shaping.max_new_tokens,
+        shaping.overlong_buffer,
+        shaping.overlong_factor,
+        enabled=shaping.overlong_penalty,
     )
     return dataclasses.replace(
         batch,
         reward_B=(batch.score_B + penalty_B).astype(np.float32),
-        loss_keep_B=rewards.overlong_filter_mask(batch.truncated_B, enabled=shaping.filter),
+        loss_keep_B=rewards.overlong_filter_mask(batch.truncated_B, enabled=shaping.overlong_filter),
     )
 
 

@@ -382,13 +382,8 @@ def build(c: ml_collections.ConfigDict, workdir: str) -> Run:
     eos = tuple(sorted({tokenizer.eos_token_id, *_ids(hf_config.get("eos_token_id"))}))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     p = programs.build(c, mcfg, eos, pad)
-    shaping = rollout.RewardShaping(
-        max_len=c.rollout.max_new_tokens,
-        buffer_len=c.reward.overlong_buffer,
-        factor=c.reward.overlong_factor,
-        penalty=c.reward.overlong_penalty,
-        filter=c.reward.overlong_filter,
-    )
+    overlong = ("overlong_buffer", "overlong_factor", "overlong_penalty", "overlong_filter")
+    shaping = rollout.RewardShaping(c.rollout.max_new_tokens, **{k: c.reward[k] for k in overlong})
     eval_examples = _load_prompts(c.data.eval_files, tokenizer, c, dedup=True)
     if c.eval.max_problems:
         eval_examples = eval_examples[: c.eval.max_problems]

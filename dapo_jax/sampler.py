@@ -263,14 +263,19 @@ def _row_uniforms(rng, uids_P, n: int, n_new: int):
     return 1.0 - jax.vmap(lambda key: jax.random.uniform(key, (n_new,)))(row_keys_B)
 
 
-def _outputs(tokens_BxN, logp_BxN, ended_B, length_B) -> dict:
-    return {
-        "tokens": tokens_BxN,  # B x N, pad_id after the end
-        "logp": logp_BxN,  # B x N, 0 after the end
-        "mask": jnp.arange(tokens_BxN.shape[1]) < length_B[:, None],  # B x N completion mask
-        "length": length_B,  # B, the end id included
-        "truncated": ~ended_B,  # B, reached N tokens without an end id
-    }
+class Samples(NamedTuple):
+    """The sampler's B = P x G rows (row p x G + g), sharded over the data axes."""
+
+    tokens_BxN: jax.Array  # int32, pad_id after the end
+    logp_BxN: jax.Array  # f32 log pi_sampler of each token, 0 after the end
+    mask_BxN: jax.Array  # bool, the response's tokens
+    length_B: jax.Array  # tokens generated, the end id included
+    truncated_B: jax.Array  # bool, reached N tokens without an end id
+
+
+def _outputs(tokens_BxN, logp_BxN, ended_B, length_B) -> Samples:
+    mask_BxN = jnp.arange(tokens_BxN.shape[1]) < length_B[:, None]
+    return Samples(tokens_BxN, logp_BxN, mask_BxN, length_B, ~ended_B)
 
 
 class _BatchState(NamedTuple):
@@ -283,7 +288,9 @@ class _BatchState(NamedTuple):
     length_B: jax.Array
 
 
-def _fixed_batch_rollout(model, config: SamplingConfig, n: int, params, prompt_PxL, mask_PxL, u_BxN) -> dict:
+def _fixed_batch_rollout(
+    model, config: SamplingConfig, n: int, params, prompt_PxL, mask_PxL, u_BxN
+) -> Samples:
     """All P*n rows decoded together, in `decode_phases`, until every row has ended."""
     p, l = prompt_PxL.shape
     n_new, b = config.max_new_tokens, p * n
@@ -379,7 +386,7 @@ def _start_rows(st: _SlotState, free_S, prefill_caches, last_P, n: int, config: 
     )
 
 
-def _slot_rollout(model, config: SamplingConfig, n: int, params, prompt_PxL, mask_PxL, u_BxN) -> dict:
+def _slot_rollout(model, config: SamplingConfig, n: int, params, prompt_PxL, mask_PxL, u_BxN) -> Samples:
     """The P*n rows decoded by continuous batching in S = `decode_slots` slots (fewer if fewer rows)."""
     p, l = prompt_PxL.shape
     n_new, b = config.max_new_tokens, p * n
@@ -433,7 +440,7 @@ def _slot_rollout(model, config: SamplingConfig, n: int, params, prompt_PxL, mas
 
 def rollout(
     model: Transformer, config: SamplingConfig, n: int, params, prompt_PxL, mask_PxL, uids_P, rng
-) -> dict:
+) -> Samples:
     """G = `n` completions of each of P left-padded prompts (pure; jitted by `Sampler`): a fixed
     batch, or continuous batching in `config.decode_slots` slots."""
     u_BxN = _row_uniforms(rng, uids_P, n, config.max_new_tokens)
@@ -491,7 +498,7 @@ def _loop_per_device(loop, mesh: Mesh, n: int, loops=None):
     return fn
 
 
-def _fitted_call(fn, params, prompt_PxL, mask_PxL, uids_P, rng, n: int, devices: int) -> dict:
+def _fitted_call(fn, params, prompt_PxL, mask_PxL, uids_P, rng, n: int, devices: int) -> Samples:
     """`fn`'s P x n rows, `fn` called on the prompts filled up to a count whose rows split over
     `devices` (`sizes.padded_count`, copies of the last prompt) and the fill's rows dropped."""
     p = prompt_PxL.shape[0]
@@ -536,19 +543,18 @@ class Sampler:
 
             fn = _loop_per_device(traced, self.mesh, n, engine.loop_per_data_shard(traced, self.mesh))
         rep = sharding.replicated(self.mesh)
-        out = {
-            k: sharding.batch_sharding(self.mesh, 1 if k in ("length", "truncated") else 2)
-            for k in ("tokens", "logp", "mask", "length", "truncated")
-        }
+        out = Samples(
+            *(sharding.batch_sharding(self.mesh, 2) for _ in range(3)),
+            *(sharding.batch_sharding(self.mesh, 1) for _ in range(2)),
+        )
         self._jitted[n] = jax.jit(
             fn, in_shardings=(self._param_shardings, rep, rep, rep, rep), out_shardings=out
         )
         return self._jitted[n]
 
-    def generate(self, params, prompt_PxL, mask_PxL, n: int, rng, uids_P=None) -> dict:
-        """`n` completions of each left-padded prompt: a dict of B = P*n rows (row p*n + g), sharded
-        over the data axes: `tokens` (BxN int32), `logp` (BxN f32), `mask` (BxN bool), `length` (B),
-        `truncated` (B). `uids_P` (default 0..P-1) seed each prompt's rows with its own key.
+    def generate(self, params, prompt_PxL, mask_PxL, n: int, rng, uids_P=None) -> Samples:
+        """`n` completions of each left-padded prompt, B = P*n rows (`Samples`). `uids_P`
+        (default 0..P-1) seed each prompt's rows with its own key.
         Any P and n: prompts whose rows do not split over the data x fsdp devices are filled up to
         a count that does (`sizes.padded_count`) with copies of the last one, whose rows are
         dropped (the rows then come back replicated)."""
@@ -567,7 +573,7 @@ class Sampler:
 
     def program(self, n: int):
         """The compiled rollout of one micro-batch, `n` samples a prompt: `fn(params, prompt_PxL,
-        mask_PxL, uids_P, rng) -> dict of P*n rows` (prompts in a bucket, left padded), and
+        mask_PxL, uids_P, rng) -> Samples` of P*n rows (prompts in a bucket, left padded), and
         `fn.lower(...)` of the same arguments as ShapeDtypeStructs (the AOT check). The one entry
         of the rollout's program, built once per n."""
         jitted = self._rollout_fn(n)

@@ -173,8 +173,8 @@ def main():
             sec, outs[name] = run(i + 1)
             seconds[name].append(sec)
         for name, out in outs.items():  # the same rows, whatever the loop (to float rounding)
-            differ[name] += int(np.any(out["tokens"] != outs[first]["tokens"], axis=1).sum())
-        lengths.append(outs[first]["length"])
+            differ[name] += int(np.any(out.tokens_BxN != outs[first].tokens_BxN, axis=1).sum())
+        lengths.append(outs[first].length_B)
     print(
         f"model: random Qwen2 {config.num_params() / 1e6:.2f}M params, vocabulary {vocab}, head "
         f"x{args.head_scale}; {args.prompts} prompts x G={args.group}, prompts of {args.prompt}, limit "

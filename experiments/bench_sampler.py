@@ -48,7 +48,7 @@ def ours(m, params, mesh, tokens, mask, new, group=1):
     cfg = sampler.SamplingConfig(max_new_tokens=new, eos_ids=(), pad_id=0, prompt_buckets=(tokens.shape[1],))
     s = sampler.Sampler(m, cfg, mesh)
     out = jax.block_until_ready(s.generate(params, tokens, mask, group, jax.random.key(0)))
-    assert int(out["length"].min()) == new
+    assert int(out.length_B.min()) == new
 
     def run(seed):
         start = time.perf_counter()

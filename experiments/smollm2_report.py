@@ -13,7 +13,9 @@ paired gain ± its standard error: the mean and SE over problems of the differen
 problem's accuracy, and the gain in SEs; compliance: the fraction of responses holding a number
 the scorer reads, and holding an "Answer:" line), `completions.md` (the first sample of the first
 problems, before and after: what the model wrote, what was read from it, how it scored),
-the run's `metrics.jsonl` and its curves (`dapo_jax.plot`).
+the run's `metrics.jsonl` and its curves (`dapo_jax.plot`); with --run, the step's split into
+rollout and update against this machine's roofline, measured in the same call (`roofline`:
+the best f32 GEMM rate at the model's shapes through XLA:CPU, and a streaming read's bandwidth).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import argparse
 import json
 import os
 import shutil
+import statistics
+import time
 
 import numpy as np
 
@@ -81,6 +85,61 @@ def summary(before_rows: list[dict], after_rows: list[dict]) -> dict:
     return out
 
 
+def step_split(records: list[dict], params: int, gen_prompts: int, group: int, prompt_tokens: int) -> dict:
+    """Median seconds of a step's rollout and update over the steps after the first (which
+    compiles), and the FLOP rates they reach: the rollout's 2N per token, N = `params`, over
+    the prompts' prefill (gen_batches x `gen_prompts` x `prompt_tokens`, one per group) and the
+    tokens decoded (gen_batches x `gen_prompts` x G x the mean length before the filter); the
+    update's 6N per trained token (rows' prompt and response tokens; log pi_old is the
+    sampler's, so no extra forward pass)."""
+    steps = [r for r in records if r["step"] > 1 and "timing/rollout_s" in r]
+    if not steps:
+        raise ValueError("no step after the first has timings")
+    med = lambda xs: float(statistics.median(xs))
+    rollout_flops = [
+        2
+        * params
+        * r["dynamic_sampling/gen_batches"]
+        * gen_prompts
+        * (prompt_tokens + group * r["before_filter/length_mean"])
+        for r in steps
+    ]
+    update_flops = [6 * params * r["throughput/train_tokens_per_s"] * r["timing/train_s"] for r in steps]
+    return {
+        "steps": len(steps) + 1,
+        "step_s": med([r["timing/step_s"] for r in steps]),
+        "rollout_s": med([r["timing/rollout_s"] for r in steps]),
+        "update_s": med([r["timing/train_s"] for r in steps]),
+        "rollout_gflops": med([f / r["timing/rollout_s"] / 1e9 for f, r in zip(rollout_flops, steps)]),
+        "update_gflops": med([f / r["timing/train_s"] / 1e9 for f, r in zip(update_flops, steps)]),
+    }
+
+
+def roofline(hidden: int, mlp: int, vocab: int, reps: int = 5) -> dict:
+    """This machine through XLA:CPU: the best f32 GEMM rate (GFLOP/s) at the MLP's
+    [2048, D] x [D, F] and the LM head's [512, D] x [D, V], and a streaming sum's GB/s."""
+    import jax  # noqa: PLC0415 - the report's other figures need no jax
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    def best(fn, *args) -> float:
+        jax.block_until_ready(fn(*args))
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    dot = jax.jit(jnp.dot)
+    out = {}
+    for name, (m, k, n) in {"gemm_mlp": (2048, hidden, mlp), "gemm_lm_head": (512, hidden, vocab)}.items():
+        a, b = jnp.ones((m, k), jnp.float32), jnp.ones((k, n), jnp.float32)
+        out[f"{name}_gflops"] = 2 * m * k * n / best(dot, a, b) / 1e9
+    x = jnp.ones((64 * 2**20,), jnp.float32)  # 256 MiB
+    out["stream_gbs"] = x.nbytes / best(jax.jit(jnp.sum), x) / 1e9
+    return out
+
+
 def _cell(text: str, limit: int = 300) -> str:
     """`text` as one markdown table cell: pipes escaped, newlines as <br>, cut to `limit` chars."""
     text = text if len(text) <= limit else text[:limit] + " ..."
@@ -118,17 +177,19 @@ def main(argv=None):
     parser.add_argument("--run", default=None, help="the run's workdir (metrics.jsonl, curves)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--rows", type=int, default=20, help="problems in completions.md")
+    parser.add_argument("--config", default="smollm2_135m", help="with --run: its configs/dapo.py variant")
     args = parser.parse_args(argv)
     before, after = load_samples(args.before), load_samples(args.after)
     os.makedirs(args.out, exist_ok=True)
     result = summary(before, after)
-    with open(os.path.join(args.out, "summary.json"), "w") as f:
-        json.dump(result, f, indent=2)
     with open(os.path.join(args.out, "completions.md"), "w") as f:
         f.write(completions_table(before, after, args.rows))
     if args.run:
         shutil.copy(os.path.join(args.run, "metrics.jsonl"), os.path.join(args.out, "metrics.jsonl"))
         plot.plot_runs([args.run], args.out)
+        result["speed"] = _speed(args.run, args.config)
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(result, f, indent=2)
     b, a = result["before"], result["after"]
     print(
         f"{result['problems']} problems: avg {b['avg']:.3f} ± {b['se']:.3f} -> "
@@ -136,6 +197,21 @@ def main(argv=None):
         f"gain {result['gain']:+.3f} ± {result['gain_se']:.3f} ({result['gain_in_se']:.1f} SE); "
         f"readable {b['readable']:.2f} -> {a['readable']:.2f}"
     )
+
+
+def _speed(run: str, variant: str) -> dict:
+    """`step_split` of the run's metrics with the config's sizes, beside `roofline`."""
+    from configs import dapo  # noqa: PLC0415 - run from the repository root
+    from dapo_jax import hf_io  # noqa: PLC0415
+
+    c = dapo.get_config(variant)
+    cfg = hf_io.config_from_hf(hf_io.read_hf_config(c.model.path))
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    split = step_split(
+        records, cfg.num_params(), c.filter.gen_batch_prompts, c.rollout.group_size, c.data.max_prompt_len
+    )
+    return {**split, **roofline(cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size)}
 
 
 if __name__ == "__main__":

@@ -23,9 +23,9 @@ def _generate(m, params, cfg, mesh, prompt, mask, group, key, uids):
 
 
 def _assert_same_rows(out, ref, what):
-    for k in ("tokens", "length", "truncated", "mask"):
-        np.testing.assert_array_equal(out[k], ref[k], err_msg=f"{k}, {what}")
-    np.testing.assert_allclose(out["logp"], ref["logp"], atol=2e-6, err_msg=what)
+    for k in ("tokens_BxN", "length_B", "truncated_B", "mask_BxN"):
+        np.testing.assert_array_equal(getattr(out, k), getattr(ref, k), err_msg=f"{k}, {what}")
+    np.testing.assert_allclose(out.logp_BxN, ref.logp_BxN, atol=2e-6, err_msg=what)
 
 
 @pytest.mark.parametrize(
@@ -40,7 +40,7 @@ def test_engine_equals_the_fixed_batch(qwen2_dir, single, scan_layers, transpose
     cfg = _config(eos_ids=tuple(range(3, 11)), temperature=0.8, top_k=40)
     args = (prompt, mask, 3, jax.random.key(5), [4, 1, 7, 2, 9])
     fixed = _generate(m, params, cfg, single, *args)
-    assert fixed["truncated"].any() and len(set(fixed["length"][~fixed["truncated"]].tolist())) > 3
+    assert fixed.truncated_B.any() and len(set(fixed.length_B[~fixed.truncated_B].tolist())) > 3
     for slots, page in ((1, 4), (4, 1), (64, 16))[: 3 if scan_layers else 2]:
         paged = dataclasses.replace(cfg, paged=True, decode_slots=slots, page_size=page)
         _assert_same_rows(
@@ -79,7 +79,7 @@ def test_a_loop_per_data_shard_with_tensor_parallel_inside_equals_one_device(qwe
     cfg = _config(eos_ids=tuple(range(3, 11)), temperature=0.8)
     key, uids = jax.random.key(6), [4, 1, 7]
     ref = _generate(m, params, cfg, single, prompt, mask, 2, key, uids)
-    assert ref["truncated"].any() and not ref["truncated"].all()
+    assert ref.truncated_B.any() and not ref.truncated_B.all()
     mesh = sharding.make_mesh({"data": 2, "fsdp": 1, "tensor": 2}, devices=jax.devices()[:4])
     _, mesh_params = _load(qwen2_dir, mesh)
     s = sampler.Sampler(m, dataclasses.replace(cfg, paged=True, decode_slots=4, page_size=4), mesh)

@@ -56,7 +56,7 @@ def _worker(process_id: int, port: int, model_dir: str, out_path: str) -> None:
     assert jax.device_count() == PROCESSES * DEVICES_PER_PROCESS
     out = _rollouts(model_dir, sharding.make_mesh({"data": 2, "fsdp": 2}))
     if process_id == 0:
-        np.savez(out_path, **out)
+        np.savez(out_path, **out._asdict())
 
 
 def _free_port() -> int:
@@ -95,10 +95,10 @@ def test_two_processes_sample_as_one(qwen2_dir, tmp_path):
 
     got = np.load(out_path)
     ref = _rollouts(qwen2_dir, sharding.make_mesh({"data": 1}, devices=jax.devices()[:1]))
-    for key in ("tokens", "mask", "length", "truncated"):
-        np.testing.assert_array_equal(got[key], ref[key], err_msg=key)
-    np.testing.assert_allclose(got["logp"], ref["logp"], atol=1e-5)
-    assert got["tokens"].shape == (8, 12) and 0 < got["mask"].sum() < got["mask"].size
+    for key in ("tokens_BxN", "mask_BxN", "length_B", "truncated_B"):
+        np.testing.assert_array_equal(got[key], getattr(ref, key), err_msg=key)
+    np.testing.assert_allclose(got["logp_BxN"], ref.logp_BxN, atol=1e-5)
+    assert got["tokens_BxN"].shape == (8, 12) and 0 < got["mask_BxN"].sum() < got["mask_BxN"].size
 
 
 def _flags():

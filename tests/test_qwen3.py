@@ -64,7 +64,7 @@ def test_qwen3_greedy_rollouts_and_a_train_step_on_a_sharded_mesh(qwen3_dir):
     out = sampler.Sampler(m, _config(max_new_tokens=n_new, greedy=True), mesh).generate(
         params, prompt, mask, 1, jax.random.key(0)
     )
-    tokens = np.asarray(out["tokens"])
+    tokens = np.asarray(out.tokens_BxN)
     np.testing.assert_array_equal(tokens, _hf_greedy(qwen3_dir, prompt, mask, n_new, None))
     assert len(np.unique(tokens)) > 8  # a meaningful comparison, not one token repeated
 
@@ -77,7 +77,7 @@ def test_qwen3_greedy_rollouts_and_a_train_step_on_a_sharded_mesh(qwen3_dir):
     )
     logprobs = ts.make_compute_logprobs(m, mesh, 1.0, 1)
     old_logp = np.asarray(logprobs(params, rollout.tokens_BxT, rollout.mask_BxT))
-    np.testing.assert_allclose(old_logp[:, 16:], np.asarray(out["logp"]), atol=1e-5)
+    np.testing.assert_allclose(old_logp[:, 16:], np.asarray(out.logp_BxN), atol=1e-5)
     schedule = ts.learning_rate_schedule(1e-2, 0, "constant")
     opt = ts.make_optimizer(schedule, weight_decay=0.0, max_grad_norm=1e3)
     loss = ts.LossConfig(clip_ratio_c=10.0, temperature=1.0)  # DAPO's loss

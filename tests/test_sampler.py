@@ -109,7 +109,7 @@ def test_greedy_equals_transformers_generate(qwen2_dir, qwen2, single):
     prompt, mask = _prompts([16, 11, 4, 9], 16, seed=3)
     n_new = 12
     free = sampler.Sampler(m, _config(max_new_tokens=n_new, greedy=True), single)
-    ours = np.asarray(free.generate(params, prompt, mask, 1, jax.random.key(0))["tokens"])
+    ours = np.asarray(free.generate(params, prompt, mask, 1, jax.random.key(0)).tokens_BxN)
     np.testing.assert_array_equal(ours, _hf_greedy(qwen2_dir, prompt, mask, n_new, None))
     assert len(np.unique(ours)) > 8  # a meaningful comparison, not one token repeated
 
@@ -118,10 +118,10 @@ def test_greedy_equals_transformers_generate(qwen2_dir, qwen2, single):
     assert eos not in ours[2, :3]
     stopping = sampler.Sampler(m, _config(max_new_tokens=n_new, greedy=True, eos_ids=(eos,)), single)
     out = stopping.generate(params, prompt, mask, 1, jax.random.key(0))
-    tokens = np.asarray(out["tokens"])
+    tokens = np.asarray(out.tokens_BxN)
     np.testing.assert_array_equal(tokens, _hf_greedy(qwen2_dir, prompt, mask, n_new, eos))
     assert tokens[2, 4:].tolist() == [0] * (n_new - 4)
-    assert int(out["length"][2]) == 4 and not bool(out["truncated"][2])
+    assert int(out.length_B[2]) == 4 and not bool(out.truncated_B[2])
 
 
 def test_logp_equals_trainer_recompute_with_truncation(qwen2, single):
@@ -129,8 +129,8 @@ def test_logp_equals_trainer_recompute_with_truncation(qwen2, single):
     cfg = _config(max_new_tokens=16, temperature=0.7, top_p=0.8, top_k=12, eos_ids=(3, 5, 7, 11))
     prompt, mask = _prompts([8, 3], 8, seed=5)
     out = jax.device_get(sampler.Sampler(m, cfg, single).generate(params, prompt, mask, 4, jax.random.key(7)))
-    tokens, logp, comp_mask, length = out["tokens"], out["logp"], out["mask"], out["length"]
-    ended = ~out["truncated"]
+    tokens, logp, comp_mask, length = out.tokens_BxN, out.logp_BxN, out.mask_BxN, out.length_B
+    ended = ~out.truncated_B
     assert ended.any() and not ended.all()  # both outcomes are exercised
 
     # The trainer's recomputation: one teacher-forced forward over prompt + completion.
@@ -167,7 +167,7 @@ def test_no_recompilation_within_buckets(qwen2, single):
     assert s.num_traces == 2
     for lengths, width in [([5, 3], 5), ([7, 1], 12), ([12, 15], 15), ([10, 9], 20), ([1, 1], 1)]:
         out = s.generate(params, *_prompts(lengths, width), 2, key)
-        assert out["tokens"].shape == (4, 4)
+        assert out.tokens_BxN.shape == (4, 4)
     assert s.num_traces == 2
     with pytest.raises(ValueError, match="exceeds the largest bucket"):
         s.generate(params, *_prompts([17, 3], 17), 2, key)
@@ -181,7 +181,7 @@ def test_reproducible_and_independent_of_batch_composition(qwen2, single):
     s = sampler.Sampler(m, _config(max_new_tokens=12), single)
     (a, b, c), mask = _prompts([7, 7, 7], 8, seed=2)
     tokens = lambda prompts, uids, key: np.asarray(
-        s.generate(params, np.stack(prompts), mask[[0, 0]], 3, key, uids_P=uids)["tokens"]
+        s.generate(params, np.stack(prompts), mask[[0, 0]], 3, key, uids_P=uids).tokens_BxN
     )
     key = jax.random.key(11)
     ab = tokens([a, b], [0, 1], key)
@@ -202,12 +202,12 @@ def test_sharded_equals_single_device(qwen2_dir, qwen2, single):
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     _, sharded_params = _load(qwen2_dir, mesh)
     out = sampler.Sampler(m, cfg, mesh).generate(sharded_params, prompt, mask, 2, jax.random.key(0))
-    assert out["tokens"].sharding.spec == P(("data", "fsdp"), None)
-    np.testing.assert_array_equal(np.asarray(out["tokens"]), np.asarray(ref["tokens"]))
-    np.testing.assert_allclose(np.asarray(out["logp"]), np.asarray(ref["logp"]), atol=1e-5)
+    assert out.tokens_BxN.sharding.spec == P(("data", "fsdp"), None)
+    np.testing.assert_array_equal(np.asarray(out.tokens_BxN), np.asarray(ref.tokens_BxN))
+    np.testing.assert_allclose(np.asarray(out.logp_BxN), np.asarray(ref.logp_BxN), atol=1e-5)
     # 3 prompts x 1 row do not split over data x fsdp = 4: filled to 4 prompts, the fill dropped
     odd = sampler.Sampler(m, cfg, mesh).generate(sharded_params, prompt[:3], mask[:3], 1, jax.random.key(0))
-    np.testing.assert_array_equal(np.asarray(odd["tokens"]), np.asarray(ref["tokens"])[0:6:2])
+    np.testing.assert_array_equal(np.asarray(odd.tokens_BxN), np.asarray(ref.tokens_BxN)[0:6:2])
 
 
 @pytest.mark.parametrize("vocab", [1, 7, 96, 1000])
@@ -242,10 +242,10 @@ def test_decode_chunks_leave_rollouts_unchanged(qwen2, single):
         )
         for c in (1, 3)
     ]
-    assert (~out[0]["truncated"]).any() and out[0]["truncated"].any()
-    np.testing.assert_array_equal(out[0]["tokens"], out[1]["tokens"])
-    np.testing.assert_array_equal(out[0]["length"], out[1]["length"])
-    np.testing.assert_allclose(out[0]["logp"], out[1]["logp"], atol=1e-5)
+    assert (~out[0].truncated_B).any() and out[0].truncated_B.any()
+    np.testing.assert_array_equal(out[0].tokens_BxN, out[1].tokens_BxN)
+    np.testing.assert_array_equal(out[0].length_B, out[1].length_B)
+    np.testing.assert_allclose(out[0].logp_BxN, out[1].logp_BxN, atol=1e-5)
 
 
 @pytest.mark.slow
@@ -258,10 +258,10 @@ def test_rollout_micro_batches_leave_rollouts_unchanged(qwen2, single):
     )
     parts = sampler.Sampler(m, cfg, single, micro_batch_prompts=3)  # 3 + 1 prompts
     split = jax.device_get(parts.generate(params, prompt, mask, 2, jax.random.key(4)))
-    assert parts.num_traces == 2 and split["tokens"].shape == whole["tokens"].shape
-    for k in ("tokens", "length", "truncated", "mask"):
-        np.testing.assert_array_equal(split[k], whole[k])
-    np.testing.assert_allclose(split["logp"], whole["logp"], atol=1e-5)
+    assert parts.num_traces == 2 and split.tokens_BxN.shape == whole.tokens_BxN.shape
+    for k in ("tokens_BxN", "length_B", "truncated_B", "mask_BxN"):
+        np.testing.assert_array_equal(getattr(split, k), getattr(whole, k))
+    np.testing.assert_allclose(split.logp_BxN, whole.logp_BxN, atol=1e-5)
 
 
 def test_continuous_batching_equals_the_fixed_batch(qwen2, single):
@@ -276,13 +276,13 @@ def test_continuous_batching_equals_the_fixed_batch(qwen2, single):
         )
     )
     fixed = generate(0)
-    lengths = fixed["length"]
-    assert fixed["truncated"].any() and len(set(lengths[~fixed["truncated"]].tolist())) > 3
+    lengths = fixed.length_B
+    assert fixed.truncated_B.any() and len(set(lengths[~fixed.truncated_B].tolist())) > 3
     for slots in (1, 4, 64):  # one slot serves every row in turn; 64: more slots than rows
         out = generate(slots)
-        for k in ("tokens", "length", "truncated", "mask"):
-            np.testing.assert_array_equal(out[k], fixed[k], err_msg=f"{k}, {slots} slots")
-        np.testing.assert_allclose(out["logp"], fixed["logp"], atol=1e-6, err_msg=f"{slots} slots")
+        for k in ("tokens_BxN", "length_B", "truncated_B", "mask_BxN"):
+            np.testing.assert_array_equal(getattr(out, k), getattr(fixed, k), err_msg=f"{k}, {slots} slots")
+        np.testing.assert_allclose(out.logp_BxN, fixed.logp_BxN, atol=1e-6, err_msg=f"{slots} slots")
 
 
 @pytest.mark.parametrize("slots", [0, 8])
@@ -296,17 +296,19 @@ def test_a_loop_per_device_equals_one_device(qwen2_dir, qwen2, single, slots):
     uids = [4, 1, 7, 2, 9, 3, 0, 5]
     key = jax.random.key(6)
     ref = jax.device_get(sampler.Sampler(m, cfg, single).generate(params, prompt, mask, 2, key, uids_P=uids))
-    assert ref["truncated"].any() and not ref["truncated"].all()
+    assert ref.truncated_B.any() and not ref.truncated_B.all()
     mesh = sharding.make_mesh({"data": 4}, devices=jax.devices()[:4])
     _, mesh_params = _load(qwen2_dir, mesh)
     s = sampler.Sampler(m, dataclasses.replace(cfg, decode_slots=slots), mesh)
     for p in (8, 4, 6):
         out = s.generate(mesh_params, prompt[:p], mask[:p], 2, key, uids_P=uids[:p])
-        assert out["tokens"].sharding.spec == P(("data", "fsdp"), None)
+        assert out.tokens_BxN.sharding.spec == P(("data", "fsdp"), None)
         out = jax.device_get(out)
-        for k in ("tokens", "length", "truncated", "mask"):
-            np.testing.assert_array_equal(out[k], ref[k][: 2 * p], err_msg=f"{k}, {p} prompts")
-        np.testing.assert_allclose(out["logp"], ref["logp"][: 2 * p], atol=1e-6)
+        for k in ("tokens_BxN", "length_B", "truncated_B", "mask_BxN"):
+            np.testing.assert_array_equal(
+                getattr(out, k), getattr(ref, k)[: 2 * p], err_msg=f"{k}, {p} prompts"
+            )
+        np.testing.assert_allclose(out.logp_BxN, ref.logp_BxN[: 2 * p], atol=1e-6)
     assert s.num_traces == 3  # one program per P
     rows = (mesh_params, prompt[:4], mask[:4], np.asarray(uids[:4], np.int32), key)
     hlo = s._rollout_fn(2).lower(*rows).compile().as_text()
@@ -342,7 +344,7 @@ def test_transposed_keys_leave_rollouts_unchanged(qwen2_dir, single, scan_layers
             for c in cfgs
         ]
     for plain, transposed in zip(out[False], out[True]):
-        assert (~plain["truncated"]).any() and plain["truncated"].any()
-        for k in ("tokens", "length", "truncated"):
-            np.testing.assert_array_equal(transposed[k], plain[k])
-        np.testing.assert_allclose(transposed["logp"], plain["logp"], atol=1e-5)
+        assert (~plain.truncated_B).any() and plain.truncated_B.any()
+        for k in ("tokens_BxN", "length_B", "truncated_B"):
+            np.testing.assert_array_equal(getattr(transposed, k), getattr(plain, k))
+        np.testing.assert_allclose(transposed.logp_BxN, plain.logp_BxN, atol=1e-5)

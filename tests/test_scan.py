@@ -88,8 +88,8 @@ def test_scanned_sampler_equals_unrolled(qwen2_dir, single):
         sampler.Sampler(m, cfg, single).generate(p, tokens, mask, 2, jax.random.key(3))
         for m, p in ((unrolled, params), (scanned, stacked))
     ]
-    np.testing.assert_array_equal(outs[0]["tokens"], outs[1]["tokens"])
-    _close(outs[0]["logp"], outs[1]["logp"])
+    np.testing.assert_array_equal(outs[0].tokens_BxN, outs[1].tokens_BxN)
+    _close(outs[0].logp_BxN, outs[1].logp_BxN)
     caches = sampler.prefill(scanned, stacked, tokens, mask, 32)
     assert isinstance(caches, model.KVCache) and caches.v.shape[0] == unrolled.config.num_layers
 

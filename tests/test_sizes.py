@@ -174,10 +174,10 @@ def test_odd_prompts_and_samples_are_padded_exactly(
     cfg = dataclasses.replace(cfg, decode_slots=slots, paged=paged, page_size=4)
     s = sampler.Sampler(m, cfg, mesh, micro_batch_prompts=micro)
     out = jax.device_get(s.generate(params, prompt, mask, 3, jax.random.key(2), uids_P=UIDS))
-    assert out["tokens"].shape == ref["tokens"].shape == (15, 10)
-    for k in ("tokens", "length", "truncated", "mask"):
-        np.testing.assert_array_equal(out[k], ref[k], err_msg=k)
-    np.testing.assert_allclose(out["logp"], ref["logp"], atol=1e-5)
+    assert out.tokens_BxN.shape == ref.tokens_BxN.shape == (15, 10)
+    for k in ("tokens_BxN", "length_B", "truncated_B", "mask_BxN"):
+        np.testing.assert_array_equal(getattr(out, k), getattr(ref, k), err_msg=k)
+    np.testing.assert_allclose(out.logp_BxN, ref.logp_BxN, atol=1e-5)
 
 
 # Evaluates the tiny model on 5 problems in chunks of 3 (3 + 2: eval.max_problems and

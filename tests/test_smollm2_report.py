@@ -80,3 +80,24 @@ def test_smollm2_data_is_held_out_and_scored_by_the_last_number():
         4000, 300, 0, min_operands=2, max_operands=2, max_operand=30, style="word"
     )
     assert (train_again, test_again) == (train, test)
+
+
+def test_step_split_by_hand():
+    """Two steps after the first: medians of 2 values are their means. A model of N = 1000
+    parameters; generation batches of 2 prompts x G = 4, prompts of 10 tokens."""
+    step = lambda s, gen, length, rollout_s, train_tokens, train_s: {
+        "step": s,
+        "dynamic_sampling/gen_batches": gen,
+        "before_filter/length_mean": length,
+        "timing/rollout_s": rollout_s,
+        "timing/train_s": train_s,
+        "timing/step_s": rollout_s + train_s,
+        "throughput/train_tokens_per_s": train_tokens / train_s,
+    }
+    records = [step(1, 9, 99, 99, 99, 99), step(2, 1, 5, 2.0, 300, 3.0), step(3, 2, 10, 4.0, 600, 3.0)]
+    got = smollm2_report.step_split(records, params=1000, gen_prompts=2, group=4, prompt_tokens=10)
+    # rollout FLOPs 2 x 1000 x gen x 2 x (10 + 4 x length): step 2 120,000 in 2 s, step 3 400,000 in 4 s
+    # update FLOPs 6 x 1000 x tokens: 1.8e6 in 3 s and 3.6e6 in 3 s
+    assert got["steps"] == 3 and got["rollout_s"] == 3.0 and got["update_s"] == 3.0 and got["step_s"] == 6.0
+    assert got["rollout_gflops"] == pytest.approx((60_000 + 100_000) / 2 / 1e9)
+    assert got["update_gflops"] == pytest.approx((600_000 + 1_200_000) / 2 / 1e9)

@@ -236,7 +236,7 @@ def test_exported_model_decodes_our_greedy_tokens_in_transformers(workdir, tmp_p
         do_sample=False,
         pad_token_id=greedy.pad_id,
     )[:, width:].numpy()
-    tokens, lengths = np.asarray(ours["tokens"]), np.asarray(ours["length"])
+    tokens, lengths = np.asarray(ours.tokens_BxN), np.asarray(ours.length_B)
     assert lengths.min() > 3  # something was decoded
     for row in range(3):  # transformers stops a row at EOS and pads it when others go on
         np.testing.assert_array_equal(done[row, : lengths[row]], tokens[row, : lengths[row]])
