@@ -43,11 +43,11 @@ def _prompts():
     return np.where(mask, tokens, 0), mask
 
 
-def _rollouts(model_dir: str, mesh) -> dict:
+def _rollouts(model_dir: str, mesh) -> sampler.Samples:
     m = model.Transformer(hf_io.config_from_hf(hf_io.read_hf_config(model_dir), dtype="float32"))
     params = hf_io.load_params(model_dir, m, mesh)
     out = sampler.Sampler(m, _config(), mesh).generate(params, *_prompts(), 2, jax.random.key(7))
-    return {k: sharding.to_host(v) for k, v in out.items()}
+    return jax.tree.map(sharding.to_host, out)
 
 
 def _worker(process_id: int, port: int, model_dir: str, out_path: str) -> None:
