@@ -70,7 +70,8 @@ def _env(devices: int) -> dict:
     with the test session (conftest.py): a process that loads its programs from the cache can
     reach the first collective long before one that compiles them, past gloo's 30 s rendezvous."""
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-    return {**env, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    path = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)  # this checkout's dapo_jax
+    return {**env, "PYTHONPATH": path, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
 
 
 def _run_together(commands: list[list[str]], devices: int, timeout: int = 600) -> None:
