@@ -89,6 +89,39 @@ def run_study(
             sft_control(c, run_dir(workdir, SFT_CONTROL, seed), lr=module.SFT["lr"])
 
 
+def _sft_updates(run, c: ml_collections.ConfigDict, examples: list[dict], params, lr: float):
+    """`sft_control`'s updates from `params`: (params, {sft/loss of the last 10, sft/updates})."""
+    updates = c.train.steps * (c.train.train_batch_prompts // c.train.mini_batch_prompts)
+    rows = c.train.mini_batch_prompts * c.rollout.group_size
+    o = c.optim
+    optimizer = train_step.make_optimizer(
+        optax.constant_schedule(lr),
+        weight_decay=o.weight_decay,
+        max_grad_norm=o.grad_clip,
+        b1=o.b1,
+        b2=o.b2,
+        eps=o.eps,
+    )
+    opt_state = optimizer.init(params)
+    solution_ids = run.tokenizer([ex["solution"] for ex in examples], add_special_tokens=False)["input_ids"]
+    seq_len = c.data.max_prompt_len + c.rollout.max_new_tokens
+    step = sft.make_sft_step(run.model, optimizer)
+    rng = np.random.default_rng(c.seed)
+    losses = []
+    for _ in range(updates):
+        chosen = rng.integers(0, len(examples), rows)
+        arrays = sft.sft_batch(
+            [examples[i]["prompt_ids"] for i in chosen],
+            [solution_ids[i] for i in chosen],
+            run.tokenizer.eos_token_id,
+            run.tokenizer.pad_token_id,
+            seq_len,
+        )
+        params, opt_state, loss = step(params, opt_state, *arrays)
+        losses.append(loss)
+    return params, {"sft/loss": float(np.mean(jax.device_get(losses[-10:]))), "sft/updates": updates}
+
+
 def sft_control(c: ml_collections.ConfigDict, workdir: str, *, lr: float) -> dict:
     """Continued SFT from the base model on the DAPO run's training budget: as many AdamW
     updates (steps x train_batch / mini_batch) of as many sequences (mini_batch_prompts x G),
@@ -109,43 +142,12 @@ def sft_control(c: ml_collections.ConfigDict, workdir: str, *, lr: float) -> dic
                 "the SFT control needs worked solutions (extra_info.solution) in "
                 "the training data; these files have none"
             )
-        updates = c.train.steps * (c.train.train_batch_prompts // c.train.mini_batch_prompts)
-        rows = c.train.mini_batch_prompts * c.rollout.group_size
-        optimizer = train_step.make_optimizer(
-            optax.constant_schedule(lr),
-            weight_decay=c.optim.weight_decay,
-            max_grad_norm=c.optim.grad_clip,
-            b1=c.optim.b1,
-            b2=c.optim.b2,
-            eps=c.optim.eps,
-        )
         params = hf_io.load_params(c.model.path, run.model, run.mesh)
-        opt_state = optimizer.init(params)
-        solution_ids = run.tokenizer([ex["solution"] for ex in examples], add_special_tokens=False)[
-            "input_ids"
-        ]
-        seq_len = c.data.max_prompt_len + c.rollout.max_new_tokens
-        step = sft.make_sft_step(run.model, optimizer)
-        rng = np.random.default_rng(c.seed)
         writer = metrics.MetricsWriter(workdir)
         writer.write(0, train.evaluate(run, params, 0))
-        t0, losses = time.time(), []
-        for _ in range(updates):
-            chosen = rng.integers(0, len(examples), rows)
-            arrays = sft.sft_batch(
-                [examples[i]["prompt_ids"] for i in chosen],
-                [solution_ids[i] for i in chosen],
-                run.tokenizer.eos_token_id,
-                run.tokenizer.pad_token_id,
-                seq_len,
-            )
-            params, opt_state, loss = step(params, opt_state, *arrays)
-            losses.append(loss)
-        last = {
-            "sft/loss": float(np.mean(jax.device_get(losses[-10:]))),
-            "sft/updates": updates,
-            "timing/train_s": time.time() - t0,
-        }
+        t0 = time.time()
+        params, last = _sft_updates(run, c, examples, params, lr)
+        last["timing/train_s"] = time.time() - t0
         last.update(train.evaluate(run, params, c.train.steps))
         last["sft/finished"] = 1
         writer.write(c.train.steps, last)

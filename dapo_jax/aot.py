@@ -342,11 +342,7 @@ def engine_rows(c, cfg: model.ModelConfig, devices, chip: Chip, hbm_gib: float) 
       its memory with the train state resident; `engine_prefill`: the prefill alone. The first's
       bytes less the second's are the decode loop's body with its loops' bodies (the scanned
       layers, the attention's blocks) counted once: a lower bound of a step's bytes.
-    - `engine_step`: one decode step of every shard's engine as its own program
-      (`engine_cost.step_program`, layers unrolled) at 1 and 2 layers, extrapolated to the
-      model's layers; its attention loop (one block of S (row, page) pairs counted) scaled to the
-      mean step's pairs by the bytes of a pair (one layer's `paged_decode_attention` on one chip
-      at blocks of S and 2S pairs). The Pallas kernel is compiled for that layer as well (TPU)."""
+    - `engine_step`: one decode step's bytes (`_step_bytes`) against the roofline."""
     paged = c.copy_and_resolve_references()
     paged.rollout.paged = True
     p = programs.build(paged, cfg, (0,), 0, devices)
@@ -357,39 +353,14 @@ def engine_rows(c, cfg: model.ModelConfig, devices, chip: Chip, hbm_gib: float) 
         p.rollout_model.config, tensor, prompt_B, response_B, geo.page_size, geo.slots
     )
     print(f"engine per data shard: {sh.prompts} prompts, {geo}", flush=True)
-    resident = programs.per_chip_bytes(programs.abstract_inputs(p, paged)["rollout"].resident)
     flops = model_flops(cfg, s.rollout_prompts * s.prompt_len, s.prompt_len / 2)
     decode_flops = model_flops(cfg, count.tokens * sh.shards, count.pairs * geo.page_size / count.tokens)
-    rows, whole = [], {}
-    for name, (fn, args, _), f in (
-        ("engine", programs.abstract_inputs(p, paged)["rollout"], flops + decode_flops),
-        ("engine_prefill", engine_cost.prefill_program(p, paged), flops),
-    ):
-        try:
-            compiled, seconds = _compile(lambda fn=fn, args=args: fn.lower(*args))
-        except jax.errors.JaxRuntimeError as e:  # the compiler's own "does not fit"
-            if "RESOURCE_EXHAUSTED" not in str(e):
-                raise
-            print(f"{name}: {str(e).splitlines()[0]}", flush=True)
-            rows.append(dict(program=name, total_gib=math.inf, hbm_gib=hbm_gib, error=str(e).splitlines()[0]))
-            continue
-        rows.append(_report(name, compiled, chip, hbm_gib, f / len(devices), resident, seconds))
-        whole[name] = _bytes(compiled)
-
-    step = []
-    for layers in (1, 2):
-        fn, args, _ = engine_cost.step_program(p, paged, layers)
-        step.append(_bytes(_compile(lambda fn=fn, args=args: fn.lower(*args))[0]))
-    attention = {}
-    for blocks in (1, 2):
-        for name, (fn, args, _) in engine_cost.attention_programs(p, paged, blocks * geo.slots).items():
-            if name == "pure" or (blocks == 1 and devices[0].platform == "tpu"):  # a TPU kernel
-                attention[name, blocks] = _bytes(_compile(lambda fn=fn, args=args: fn.lower(*args))[0])
-    layer, pair = step[1] - step[0], (attention["pure", 2] - attention["pure", 1]) / geo.slots
+    rows, whole = _engine_programs(p, paged, devices, chip, hbm_gib, flops, decode_flops)
+    step, pair, kernel = _step_bytes(p, paged, devices, geo.slots)
     pairs_per_step = count.pairs / count.steps  # per layer, the shard's rows together
-    extra_pairs = cfg.num_layers * pair * (pairs_per_step - geo.slots)
-    compiled_step = step[0] + layer * (cfg.num_layers - 1) + extra_pairs
-    body = whole["engine"] - whole["engine_prefill"] if len(whole) == 2 else math.nan
+    compiled_step = step[0] + (step[1] - step[0]) * (cfg.num_layers - 1)
+    compiled_step += cfg.num_layers * pair * (pairs_per_step - geo.slots)
+    body = whole.get("engine", math.nan) - whole.get("engine_prefill", math.nan)
     roofline = count.bytes_per_step
     seconds_of = lambda per_step: count.steps * per_step / (chip.hbm_gbps * 1e9)
     batches = paged.filter.gen_batch_prompts / s.rollout_prompts  # micro-batches a generation batch
@@ -410,7 +381,7 @@ def engine_rows(c, cfg: model.ModelConfig, devices, chip: Chip, hbm_gib: float) 
         roofline_weights_gib=count.weight_bytes / GIB,
         ratio=compiled_step / roofline,
         loop_body_ratio=body / roofline,
-        kernel_layer_bytes=attention.get(("kernel", 1), 0.0),
+        kernel_layer_bytes=kernel,
         tokens_per_s_chip=count.tokens / tensor / seconds_of(compiled_step),
         roofline_tokens_per_s_chip=count.tokens / tensor / seconds_of(roofline),
         gen_batch_hours=batches * seconds_of(compiled_step) / 3600,
@@ -418,21 +389,67 @@ def engine_rows(c, cfg: model.ModelConfig, devices, chip: Chip, hbm_gib: float) 
         total_gib=0.0,
         hbm_gib=hbm_gib,
     )
-    print(
+    print(_engine_step_text(row, geo), flush=True)
+    return [*rows, row]
+
+
+def _engine_programs(p, paged, devices, chip: Chip, hbm_gib: float, flops: float, decode_flops: float):
+    """The `engine` and `engine_prefill` rows (a program the compiler cannot fit in HBM: a row
+    that does not fit) and {name: HBM bytes accessed} of those that compiled."""
+    resident = programs.per_chip_bytes(programs.abstract_inputs(p, paged)["rollout"].resident)
+    rows, whole = [], {}
+    for name, (fn, args, _), f in (
+        ("engine", programs.abstract_inputs(p, paged)["rollout"], flops + decode_flops),
+        ("engine_prefill", engine_cost.prefill_program(p, paged), flops),
+    ):
+        try:
+            compiled, seconds = _compile(lambda fn=fn, args=args: fn.lower(*args))
+        except jax.errors.JaxRuntimeError as e:  # the compiler's own "does not fit"
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            print(f"{name}: {str(e).splitlines()[0]}", flush=True)
+            rows.append(dict(program=name, total_gib=math.inf, hbm_gib=hbm_gib, error=str(e).splitlines()[0]))
+            continue
+        rows.append(_report(name, compiled, chip, hbm_gib, f / len(devices), resident, seconds))
+        whole[name] = _bytes(compiled)
+    return rows, whole
+
+
+def _step_bytes(p, paged, devices, slots: int) -> tuple[list[float], float, float]:
+    """HBM bytes of one decode step of every shard's engine as its own program
+    (`engine_cost.step_program`, layers unrolled) at 1 and 2 layers, which `engine_rows`
+    extrapolates to the model's layers; of one (row, page) pair of the pure-JAX attention (one
+    layer's `paged_decode_attention` on one chip at blocks of S and 2S pairs), by which it scales
+    the step's attention loop (one block of S pairs counted) to the mean step's pairs; and of the
+    Pallas kernel's layer (compiled on TPU only; 0.0 elsewhere)."""
+    step = []
+    for layers in (1, 2):
+        fn, args, _ = engine_cost.step_program(p, paged, layers)
+        step.append(_bytes(_compile(lambda fn=fn, args=args: fn.lower(*args))[0]))
+    attention = {}
+    for blocks in (1, 2):
+        for name, (fn, args, _) in engine_cost.attention_programs(p, paged, blocks * slots).items():
+            if name == "pure" or (blocks == 1 and devices[0].platform == "tpu"):  # a TPU kernel
+                attention[name, blocks] = _bytes(_compile(lambda fn=fn, args=args: fn.lower(*args))[0])
+    pair = (attention["pure", 2] - attention["pure", 1]) / slots
+    return step, pair, attention.get(("kernel", 1), 0.0)
+
+
+def _engine_step_text(row: dict, geo) -> str:
+    return (
         f"engine_step ({geo.slots} slots, {geo.pool_pages} pages of {geo.page_size} a shard; DAPO "
-        f"lengths: mean response {row['mean_response']:.0f}, {count.steps} steps) GiB/chip/step: "
+        f"lengths: mean response {row['mean_response']:.0f}, {row['steps']} steps) GiB/chip/step: "
         f"one step compiled {row['compiled_step_gib']:.2f} ({row['ratio']:.2f}x), the loop's body "
         f"(loops once) {row['loop_body_gib']:.2f} ({row['loop_body_ratio']:.2f}x), against the "
         f"roofline's {row['roofline_step_gib']:.2f} ({row['roofline_weights_gib']:.2f} of weights); "
         f"{row['tokens_per_s_chip']:.0f} tokens/s/chip (roofline {row['roofline_tokens_per_s_chip']:.0f});"
         f" a generation batch {row['gen_batch_hours']:.2f} h (roofline "
         f"{row['roofline_gen_batch_hours']:.2f} h). One layer's attention on one chip: pure JAX "
-        f"{pair / 2**10:.1f} KiB per (row, page) pair (a page: {row['page_bytes'] / 2**10:.1f} KiB), "
-        f"{pairs_per_step:.0f} pairs a step; the Pallas kernel "
-        f"{row['kernel_layer_bytes'] / 2**20:.2f} MiB by cost analysis (0: not compiled, no TPU)",
-        flush=True,
+        f"{row['pair_bytes'] / 2**10:.1f} KiB per (row, page) pair "
+        f"(a page: {row['page_bytes'] / 2**10:.1f} KiB), "
+        f"{row['pairs_per_step']:.0f} pairs a step; the Pallas kernel "
+        f"{row['kernel_layer_bytes'] / 2**20:.2f} MiB by cost analysis (0: not compiled, no TPU)"
     )
-    return [*rows, row]
 
 
 def check_fit(rows: list[dict]) -> str | None:
