@@ -305,12 +305,12 @@ def _step(
     a = assembly.assemble(batch, c, run.mesh)
     host, device = a.host, a.device
     t1 = time.time()
+    sampler_logp = lambda: a.sampler_logp(batch, run.mesh)
     recompute = c.loss.old_logp == "recompute"
     if recompute:
         old_logp_BxT = run.logprobs_fn(state.params, device.tokens_BxT, device.mask_BxT)
     else:
-        old_logp_BxT = a.sampler_logp(batch, run.mesh)
-    sampler_logp = lambda: a.sampler_logp(batch, run.mesh)
+        old_logp_BxT = sampler_logp()
     device, is_weight_BxT, correction = _corrected(run, sampler_logp, device, old_logp_BxT)
     state, updates = train_step.train_on_rollout(
         run.train_step,
