@@ -91,12 +91,8 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
         steps=500,
         train_batch_prompts=512,  # P groups per step (after dynamic sampling)
         mini_batch_prompts=32,  # 32 x 16 = 512 responses: 16 updates per step
-        micro_batch_size=16,  # rows per micro-batch: at 32 padded rows, 0.5 GiB past v5p's HBM
+        micro_batch_size=16,  # packed rows per micro-batch: at 32, 0.5 GiB past v5p's HBM
         length_bucket=2048,  # train on responses cut to a multiple of this length
-        # Responses with their prompts packed into rows of T (dapo_jax.packing). AOT on v5p-128 at
-        # DAPO's lengths (aot.dapo_lengths; programs train_packed / logprobs_packed): 112 rows for
-        # 512 responses, 4.57x fewer update and log-prob FLOPs, 50.5 and 6.1 of 95 GiB.
-        pack=True,
         max_consecutive_nonfinite=5,  # stop (with a checkpoint) after this many skipped updates
     )
     # every: steps between checkpoints; every_minutes: also after a step when that much wall clock
@@ -233,14 +229,8 @@ def tiny() -> ml_collections.ConfigDict:
         steps=40,
         train_batch_prompts=32,  # P groups per step (after dynamic sampling)
         mini_batch_prompts=8,  # 8 x 8 = 64 responses: 4 updates per step
-        # Responses per gradient-accumulation micro-batch. On the 2-core CPU 4 micro-batches of 16
-        # updated 64 rows 13% faster than one of 64 (experiments/README.md), with a quarter of the
-        # activations held for the backward.
-        micro_batch_size=16,
+        micro_batch_size=16,  # packed rows (dapo_jax.packing) per gradient-accumulation micro-batch
         length_bucket=16,  # train on responses cut to a multiple of this length
-        # Responses (with their prompts) packed into rows of the batch's width, micro-batches of
-        # micro_batch_size packed rows (dapo_jax.packing): the padding is not trained at all.
-        pack=False,
         max_consecutive_nonfinite=5,  # stop (with a checkpoint) after this many skipped updates
     )
     c.checkpoint = dict(every=5, every_minutes=30.0, keep=3, asynchronous=True)

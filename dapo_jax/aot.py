@@ -9,8 +9,9 @@ devices instead): the train step, the log-prob pass, the rollout's sampler progr
 micro-batch, on the rollout's mesh, in its dtypes), the evaluation's (one eval micro-batch) and the
 rollout weights' cast are lowered on their abstract inputs (`programs.abstract_inputs`:
 ShapeDtypeStructs with shardings) and compiled by the real compiler: no weight is read or
-allocated. `train_packed` and `logprobs_packed` are the train step and the log-prob pass on packed
-rows (`train.pack`) of a synthetic batch at DAPO's lengths (`dapo_lengths`). Per program it prints
+allocated. `train` and `logprobs` are compiled at their most packed rows (every response at
+L_max, one a row), `train_packed` and `logprobs_packed` on the packed rows of a synthetic batch
+at DAPO's lengths (`dapo_lengths`). Per program it prints
 per-chip argument / output / temporary memory, plus what stays resident beside it (the train
 state: params and AdamW moments; the rollout weights' copy during the samplers' programs), against
 the chip's HBM, FLOPs and the time they imply at the chip's peak; then the KV cache and the HBM
@@ -483,7 +484,7 @@ def dapo_lengths(rows: int, prompt_len: int, new_tokens: int, seed: int = 0) -> 
 
 
 def packed_shapes(c, s: programs.ProgramSizes) -> tuple[int, int]:
-    """`(train rows, log-prob rows)` of the packed programs (train.pack) on `dapo_lengths`."""
+    """`(train rows, log-prob rows)` of the packed programs on `dapo_lengths`."""
     lengths = dapo_lengths(s.logprob_rows, s.prompt_len, c.rollout.max_new_tokens)
     micro, k = c.train.micro_batch_size, s.logprob_rows // s.train_rows
     train = packing.packed_rows(lengths[: s.train_rows], s.length, 1, micro)
@@ -492,10 +493,8 @@ def packed_shapes(c, s: programs.ProgramSizes) -> tuple[int, int]:
 
 def packed_inputs(p: programs.Programs, c, cfg: model.ModelConfig) -> dict:
     """`{name: (Lowerable, FLOPs)}` of `train_packed` and `logprobs_packed`: the run's train step
-    and log-prob pass with train.pack, on the packed rows of a `dapo_lengths` batch."""
-    s, packed = programs.program_sizes(c), c.copy_and_resolve_references()
-    packed.train.pack = True
-    _, step, logprobs = programs.update_fns(packed, p.model, p.mesh)
+    and log-prob pass on the packed rows of a `dapo_lengths` batch."""
+    s, step, logprobs = programs.program_sizes(c), p.train_step, p.logprobs_fn
     train_rows, logprob_rows = packed_shapes(c, s)
 
     def rows(n, dtype):

@@ -1,6 +1,6 @@
 """The train batch from the host to the devices: the filtered rows (`records.TrainBatch`) as the
 token, mask and advantage arrays the update trains on, cut to the widths the rows use, packed
-when `train.pack` is on (`packing`), and placed on the mesh's batch axes.
+(`packing`), and placed on the mesh's batch axes.
 
 Host code but for `to_device`; the arrays are identical on every process.
 """
@@ -35,8 +35,7 @@ def host_rollout(
 
     Response columns past the longest response, and prompt columns before the longest prompt,
     are cut, each width rounded up to a multiple of `length_bucket`: the trainer then compiles
-    few shapes and does not spend its FLOPs on padding when prompts or responses are short
-    (train.pack then packs the rows into rows of that width)."""
+    few shapes (`assemble` then packs the rows into rows of that width)."""
     rows, valid_B = batch.rows, batch.valid_B
     n = rows.tokens_BxN.shape[1]
     width = train_step.bucket_width(int(rows.length_B.max()), length_bucket, n)
@@ -67,45 +66,28 @@ def to_device(x: np.ndarray, mesh):
     return jax.make_array_from_callback(x.shape, s, lambda index: x[index])
 
 
-def arranged(layout: packing.Packing | None, x_BxT: np.ndarray, back: bool = False) -> np.ndarray:
-    """A host array of the padded rollout in the trained layout: packed rows with train.pack
-    (`back`: from them), else as it is."""
-    if layout is None:
-        return x_BxT
-    return packing.unpack(layout, x_BxT) if back else packing.pack(layout, x_BxT)
-
-
 class Assembled(NamedTuple):
     """A train batch ready for the update: `host` the padded arrays (B rows of T columns),
-    `device` the trained ones on the mesh (packed into Y rows under `layout`, else `host`'s)."""
+    `device` the trained ones on the mesh (packed into Y rows under `layout`)."""
 
     host: train_step.Rollout
     device: train_step.Rollout
-    layout: packing.Packing | None
+    layout: packing.Packing
     prompt_width: int
 
     def sampler_logp(self, batch: TrainBatch, mesh):
-        """The sampler's log pi per token of `batch` (0 on prompts), on the mesh, in the trained
-        layout: log pi_old under loss.old_logp="sampler", pi_sampler for the mismatch correction."""
+        """The sampler's log pi per token of `batch` (0 on prompts), on the mesh, packed: log
+        pi_old under loss.old_logp="sampler", pi_sampler for the mismatch correction."""
         logp_BxT = sampler_logp(batch, self.prompt_width, self.host.tokens_BxT.shape[1])
-        return to_device(arranged(self.layout, logp_BxT), mesh)
+        return to_device(packing.pack(self.layout, logp_BxT), mesh)
 
 
 def assemble(batch: TrainBatch, c: ml_collections.ConfigDict, mesh) -> Assembled:
-    """The train batch's arrays under the config's train.length_bucket, train.pack and its
-    mini- and micro-batch sizes, placed on `mesh`."""
+    """The train batch's arrays under the config's train.length_bucket and its mini- and
+    micro-batch sizes, packed and placed on `mesh`."""
     t = c.train
     host = host_rollout(batch, c.rollout.group_size, c.loss.normalize_std, t.length_bucket)
-    layout = (
-        packing.plan(host.mask_BxT, t.train_batch_prompts // t.mini_batch_prompts, t.micro_batch_size)
-        if t.pack
-        else None
-    )
-    if layout is None:
-        trained = host
-    else:
-        trained = train_step.Rollout(
-            *packing.pack_rows(layout, host.tokens_BxT, host.loss_mask_BxT, host.adv_B)
-        )
-    device = train_step.Rollout(*(to_device(x, mesh) for x in trained))
+    layout = packing.plan(host.mask_BxT, t.train_batch_prompts // t.mini_batch_prompts, t.micro_batch_size)
+    packed = train_step.Rollout(*packing.pack_rows(layout, host.tokens_BxT, host.loss_mask_BxT, host.adv_B))
+    device = train_step.Rollout(*(to_device(x, mesh) for x in packed))
     return Assembled(host, device, layout, prompt_width(batch, t.length_bucket))

@@ -117,18 +117,14 @@ def loss_config(c: ml_collections.ConfigDict) -> train_step.LossConfig:
 
 def update_fns(c: ml_collections.ConfigDict, m: model.Transformer, mesh: Mesh):
     """`(optimizer, train_step, logprobs_fn)`: the compiled update of a mini-batch and the
-    log-prob pass of a rollout batch, over micro-batches of train.micro_batch_size rows: padded
-    rows, or with train.pack packed rows (`dapo_jax.packing`; as many micro-batches as the
-    packing needs)."""
+    log-prob pass of a rollout batch, on packed rows (`dapo_jax.packing`) in micro-batches of
+    train.micro_batch_size rows (as many micro-batches as the packing needs)."""
     optimizer, schedule = make_optimizer(c)
-    loss_cfg, temperature = loss_config(c), c.rollout.temperature
-    micro = lambda prompts: prompts * c.rollout.group_size // c.train.micro_batch_size
-    mini, whole = micro(c.train.mini_batch_prompts), micro(c.train.train_batch_prompts)
-    rows = c.train.micro_batch_size if c.train.pack else 0
+    loss_cfg, rows = loss_config(c), c.train.micro_batch_size
     return (
         optimizer,
-        train_step.make_train_step(m, optimizer, schedule, loss_cfg, mesh, mini, micro_rows=rows),
-        train_step.make_compute_logprobs(m, mesh, temperature, whole, micro_rows=rows),
+        train_step.make_train_step(m, optimizer, schedule, loss_cfg, mesh, rows),
+        train_step.make_compute_logprobs(m, mesh, c.rollout.temperature, rows),
     )
 
 
@@ -266,8 +262,9 @@ def abstract_inputs(p: Programs, c: ml_collections.ConfigDict) -> dict[str, Lowe
     """Each program with abstract inputs of the config's sizes, and what stays resident beside
     it: the train state (params and AdamW moments) throughout, the reference params (β > 0),
     and during the samplers' programs the rollout weights' copy (their arguments) as well.
-    With train.pack the train step and log-prob pass are their padded forms (a packed batch's
-    row count depends on its lengths: `aot.packed_inputs` compiles them on a synthetic one)."""
+    The train step and log-prob pass at their most rows: every response at L_max, one a packed
+    row (a packed batch's row count depends on its lengths: `aot.packed_inputs` compiles them
+    on a synthetic one at DAPO's lengths)."""
     s = program_sizes(c)
     state = p.abstract_state()
     ref = (_params(p.model, p.mesh),) if c.loss.beta > 0 else ()
@@ -275,22 +272,18 @@ def abstract_inputs(p: Programs, c: ml_collections.ConfigDict) -> dict[str, Lowe
     bt, lt = (s.train_rows, s.length), (s.logprob_rows, s.length)
     batch = train_step.Batch(
         _rows(p.mesh, bt, jnp.int32),
+        _rows(p.mesh, bt, jnp.int32),  # segment ids
         _rows(p.mesh, bt, bool),
-        _rows(p.mesh, bt, bool),
-        _rows(p.mesh, bt[:1], jnp.float32),
+        _rows(p.mesh, bt, jnp.float32),  # A_i per token
         _rows(p.mesh, bt, jnp.float32),
         _rows(p.mesh, bt, jnp.float32) if c.loss.beta > 0 else None,
         _rows(p.mesh, bt, jnp.float32) if c.loss.rollout_is else None,
     )
     step, logprobs = p.train_step, p.logprobs_fn
-    if c.train.pack:
-        step, logprobs = update_fns(_padded(c), p.model, p.mesh)[1:]
     held = (state,) if p.cast is not None else moments  # beside the samplers' weights
     out = {
         "train": Lowerable(step, (state, batch), ref),
-        "logprobs": Lowerable(
-            logprobs, (state.params, _rows(p.mesh, lt, jnp.int32), _rows(p.mesh, lt, bool)), moments + ref
-        ),
+        "logprobs": Lowerable(logprobs, (state.params, *(_rows(p.mesh, lt, jnp.int32),) * 2), moments + ref),
         "rollout": _sampler_inputs(p.sampler, s.rollout_prompts, s.prompt_len, s.group)._replace(
             resident=held + ref
         ),
@@ -310,9 +303,3 @@ def per_chip_bytes(tree) -> float:
         shard = a.sharding.shard_shape(a.shape) if a.sharding is not None else a.shape
         total += math.prod(shard) * np.dtype(a.dtype).itemsize
     return float(total)
-
-
-def _padded(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    c = c.copy_and_resolve_references()
-    c.train.pack = False
-    return c

@@ -54,6 +54,7 @@ from dapo_jax import (
     hosts,
     hub,
     metrics,
+    packing,
     paths,
     preemption,
     programs,
@@ -329,7 +330,7 @@ def _step(
         agreement = _logp_agreement(
             batch.rows.logp_BxN,
             a.prompt_width,
-            assembly.arranged(a.layout, sharding.to_host(old_logp_BxT), back=True),
+            packing.unpack(a.layout, sharding.to_host(old_logp_BxT)),
             host.loss_mask_BxT,
             batch.carried_B,
         )

@@ -10,9 +10,10 @@ Per-token arrays are aligned with tokens_BxT: entry t is about token t (its log-
 the logits at t - 1); entry 0 has no predecessor, is 0 and must be outside the loss mask.
 A rollout batch is split into k mini-batches, one update each (`train_on_rollout`); pi_old and
 pi_ref log-probs are computed once before the first update by `compute_logprobs`.
-With `train.pack` the rows are packed rows instead (`dapo_jax.packing`: several responses with
-their prompts per row, segment ids for the mask, A_i per token): the same sums, no padding
-trained, micro-batches of `micro_rows` packed rows.
+The trainer's rows are packed rows (`dapo_jax.packing`: several responses with their prompts per
+row, segment ids for the mask, A_i per token): the same sums, no padding trained, micro-batches
+of `micro_rows` rows. Padded rows (a boolean mask, A_i per row) go through the same functions,
+each row one response.
 """
 
 from __future__ import annotations
@@ -147,11 +148,12 @@ def init_train_state(model, optimizer, mesh, params) -> TrainState:
         return jax.jit(init, in_shardings=(shardings.params,), out_shardings=shardings)(params)
 
 
-def batch_shardings(mesh, with_ref: bool, with_weight: bool = False, packed: bool = False) -> Batch:
-    rows = lambda ndim: sharding.batch_sharding(mesh, ndim)
-    maybe = lambda on: rows(2) if on else None
-    adv = rows(2 if packed else 1)  # A_i per token on packed rows
-    return Batch(rows(2), rows(2), rows(2), adv, rows(2), maybe(with_ref), maybe(with_weight))
+def batch_shardings(mesh, with_ref: bool, with_weight: bool = False) -> Batch:
+    """Every array's rows over the batch axes, its other axes replicated, whatever its rank (A_i
+    is per token on packed rows, per row on padded ones)."""
+    rows = sharding.batch_sharding(mesh, 1)
+    maybe = lambda on: rows if on else None
+    return Batch(rows, rows, rows, rows, rows, maybe(with_ref), maybe(with_weight))
 
 
 def segments_of(mask_BxT):
@@ -229,31 +231,22 @@ def model_logp_and_entropy(model, params, tokens_BxT, mask_BxT, temperature: flo
     return shift(logp_BxT), shift(entropy_BxT)
 
 
-def compute_logprobs(
-    model, params, tokens_BxT, mask_BxT, temperature: float, num_micro_batches: int, micro_rows: int = 0
-):
+def compute_logprobs(model, params, tokens_BxT, mask_BxT, temperature: float, micro_rows: int | None = None):
     """log pi_params(token_t | tokens_<t) aligned with tokens (entry 0 and padding: don't care),
-    one forward per micro-batch (`lax.map`) to bound the memory of the logits; with
-    `micro_rows`, packed rows (segment ids for `mask_BxT`) in micro-batches of that many rows."""
-    num_micro_batches = _micro_count(tokens_BxT.shape[0], num_micro_batches, micro_rows)
+    one forward per micro-batch of `micro_rows` rows (`lax.map`; None: one of every row) to bound
+    the memory of the logits; packed rows take their segment ids as `mask_BxT`."""
 
     def one(micro):
         tokens_bxT, mask_bxT = micro
         return model_logp_and_entropy(model, params, tokens_bxT, mask_bxT, temperature)[0]
 
-    split = functools.partial(_split_micro, n=num_micro_batches)
+    split = functools.partial(_split_micro, n=_micro_count(tokens_BxT.shape[0], micro_rows))
     return _merge_micro(jax.lax.map(one, (split(tokens_BxT), split(mask_BxT))))
 
 
-def make_compute_logprobs(model, mesh, temperature: float, num_micro_batches: int, micro_rows: int = 0):
+def make_compute_logprobs(model, mesh, temperature: float, micro_rows: int):
     """`compute_logprobs` jitted on `mesh`: `fn(params, tokens_BxT, mask_BxT) -> logp_BxT`."""
-    fn = functools.partial(
-        compute_logprobs,
-        model,
-        temperature=temperature,
-        num_micro_batches=num_micro_batches,
-        micro_rows=micro_rows,
-    )
+    fn = functools.partial(compute_logprobs, model, temperature=temperature, micro_rows=micro_rows)
     rows = sharding.batch_sharding(mesh, 2)
     jitted = jax.jit(fn, in_shardings=(sharding.param_shardings(model, mesh), rows, rows), out_shardings=rows)
     return _on_mesh(jitted, mesh)
@@ -359,30 +352,26 @@ def apply_gradients(optimizer, schedule, state: TrainState, grads, metrics: dict
     return new_state, metrics
 
 
-def _micro_count(rows: int, num_micro_batches: int, micro_rows: int) -> int:
-    """The micro-batches of a batch of `rows`: `num_micro_batches`, or with `micro_rows` (packed
-    rows, whose count varies with the lengths) as many as hold `micro_rows` rows each."""
-    if not micro_rows:
-        return num_micro_batches
+def _micro_count(rows: int, micro_rows: int | None) -> int:
+    """The micro-batches of `micro_rows` rows (None: all) in a batch of `rows` (packed rows: their
+    count varies with the lengths, one program per count)."""
+    if micro_rows is None:
+        return 1
     if rows % micro_rows:
-        raise ValueError(f"{rows} packed rows do not split into micro-batches of {micro_rows}")
+        raise ValueError(f"{rows} rows do not split into micro-batches of {micro_rows}")
     return rows // micro_rows
 
 
-def _train_step(
-    model, optimizer, schedule, loss_cfg, num_micro_batches, micro_rows, mesh, state: TrainState, batch: Batch
-):
-    n = _micro_count(batch.tokens_BxT.shape[0], num_micro_batches, micro_rows)
+def _train_step(model, optimizer, schedule, loss_cfg, micro_rows, mesh, state: TrainState, batch: Batch):
+    n = _micro_count(batch.tokens_BxT.shape[0], micro_rows)
     grads, metrics = loss_and_grads(model, loss_cfg, state.params, batch, n, mesh)
     return apply_gradients(optimizer, schedule, state, grads, metrics)
 
 
-def make_train_step(
-    model, optimizer, schedule, loss_cfg: LossConfig, mesh, num_micro_batches: int, micro_rows: int = 0
-):
-    """`train_step(state, batch) -> (state, metrics)`: one jit on `mesh`, the state donated.
-    With `micro_rows` the batch is packed rows (`dapo_jax.packing`: segment ids for its mask,
-    A_i per token), cut into micro-batches of `micro_rows` rows (one program per row count).
+def make_train_step(model, optimizer, schedule, loss_cfg: LossConfig, mesh, micro_rows: int):
+    """`train_step(state, batch) -> (state, metrics)`: one jit on `mesh`, the state donated. The
+    batch's rows are packed rows (`dapo_jax.packing`: segment ids for its mask, A_i per token)
+    or padded rows (a boolean mask, A_i per row), cut into micro-batches of `micro_rows` rows.
 
     metrics (replicated scalars): loss, pg_loss, pg_clipfrac_upper / _lower / _dual, approx_kl_old,
     kl_ref (β > 0), entropy, token_prob, loss_tokens, logp_diff_mean / _max (unless old_logp is
@@ -394,16 +383,9 @@ def make_train_step(
     state_sh = state_shardings(model, optimizer, mesh)
     per_device = sharding.splits_only_the_batch(mesh)  # the gradient of each device's rows apart
     step = functools.partial(
-        _train_step,
-        model,
-        optimizer,
-        schedule,
-        loss_cfg,
-        num_micro_batches,
-        micro_rows,
-        mesh if per_device else None,
+        _train_step, model, optimizer, schedule, loss_cfg, micro_rows, mesh if per_device else None
     )
-    batch_sh = batch_shardings(mesh, loss_cfg.beta > 0, bool(loss_cfg.rollout_is), packed=bool(micro_rows))
+    batch_sh = batch_shardings(mesh, loss_cfg.beta > 0, bool(loss_cfg.rollout_is))
     jitted = jax.jit(
         step,
         in_shardings=(state_sh, batch_sh),

@@ -71,7 +71,7 @@ def main():
         rows(jnp.int32), rows(bool), rows(bool), rows(jnp.float32, (ROWS,)), rows(jnp.float32), None
     )
     loss_cfg = ts.LossConfig(clip_ratio_c=10.0, temperature=1.0)
-    step = ts.make_train_step(m, opt, schedule, loss_cfg, mesh, MICRO)
+    step = ts.make_train_step(m, opt, schedule, loss_cfg, mesh, ROWS // MICRO)
     totals = collective_bytes(step.lower(state, batch).compile().as_text())
     head = f"{CFG.num_params() / 1e6:.0f}M params, compute {CFG.dtype}, params {CFG.param_dtype}"
     print(f"{head}, v5p-128 fsdp 8 x tensor 8:")

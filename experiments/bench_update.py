@@ -15,7 +15,7 @@ Each variant toggles one setting against `base` (recompute, float32, 1 micro-bat
     bf16       model.dtype bfloat16 (f32 accumulation, f32 params and optimizer)
     best       detached + 2 micro-batches + bf16
     micro8     8 micro-batches (of 8 rows)
-    packed16 / packed8 / packed4   train.pack: the rows packed (`dapo_jax.packing`, on the host,
+    packed16 / packed8 / packed4   the trainer's layout: the rows packed (`dapo_jax.packing`, on the host,
                inside the timed update) into micro-batches of 16 / 8 / 4 packed rows of width T
 `--attention_chunk 64` sets the tiny config's attention blocks (padded rows: causal prefixes;
 packed rows: `segment_attention.blocked_attention`, only the block pairs that each row's
@@ -112,8 +112,9 @@ def make_update(old_logp: str, dtype: str, micro: int, micro_rows: int, mesh, at
     schedule = ts.learning_rate_schedule(1e-6, 0, "constant")
     opt = ts.make_optimizer(schedule, weight_decay=0.1, max_grad_norm=1.0)
     loss_cfg = ts.LossConfig(clip_ratio_c=10.0, temperature=1.0, old_logp=old_logp)
-    step = ts.make_train_step(m, opt, schedule, loss_cfg, mesh, micro, micro_rows=micro_rows)
-    logprobs = ts.make_compute_logprobs(m, mesh, 1.0, micro, micro_rows=micro_rows)
+    rows = micro_rows or ROWS // micro  # padded rows: `micro` micro-batches of the batch
+    step = ts.make_train_step(m, opt, schedule, loss_cfg, mesh, rows)
+    logprobs = ts.make_compute_logprobs(m, mesh, 1.0, rows)
     state = ts.init_train_state(m, opt, mesh, sharding.init_params(m, mesh, jax.random.key(0)))
 
     def update(state, rollout, sampler_logp):

@@ -123,8 +123,7 @@ def test_warm_up_counts_rollout_steps_and_the_first_update_learns():
                 loss__beta=0.001,
                 reference__path=dapo.get_config("tiny").model.path,
                 rollout__tensor_parallel=2,
-                rollout__param_dtype="bfloat16",
-                train__pack=True,  # and trains packed rows (seq-mean-token-mean, pi_ref packed too)
+                rollout__param_dtype="bfloat16",  # (seq-mean-token-mean, pi_ref packed too)
             ),
         ),
     ],

@@ -63,7 +63,7 @@ def test_packed_logprobs_unpack_to_the_padded_ones(packed_model):
     p, packed = _packed(r)
     assert p.num_rows < len(r.adv_B)  # 8 rows of 16 columns in fewer
     logprobs = lambda m: jax.jit(
-        functools.partial(ts.compute_logprobs, m, temperature=0.7, num_micro_batches=1),
+        functools.partial(ts.compute_logprobs, m, temperature=0.7),
         compiler_options=FAST_COMPILE,
     )
     padded = np.asarray(logprobs(MODEL)(params, r.tokens_BxT, r.mask_BxT))
@@ -82,7 +82,7 @@ def test_packed_loss_and_gradients_equal_the_padded_ones(agg_mode, packed_model)
     params, r = init(single_mesh()), rollout()
     noise = np.random.default_rng(1).normal(0, 0.3, (2, *r.tokens_BxT.shape)).astype(np.float32)
     logp = jax.jit(
-        functools.partial(ts.compute_logprobs, MODEL, temperature=0.7, num_micro_batches=1),
+        functools.partial(ts.compute_logprobs, MODEL, temperature=0.7),
         compiler_options=FAST_COMPILE,
     )(params, r.tokens_BxT, r.mask_BxT)
     old, ref = np.asarray(logp) + noise  # the clips are hit

@@ -68,7 +68,7 @@ def single_device_batch():
     the policy's plus noise, so that the clips are hit."""
     r = rollout()
     logp = jax.jit(
-        functools.partial(ts.compute_logprobs, MODEL, temperature=0.7, num_micro_batches=1),
+        functools.partial(ts.compute_logprobs, MODEL, temperature=0.7),
         compiler_options=FAST_COMPILE,
     )(init(single_mesh()), r.tokens_BxT, r.mask_BxT)
     old_noise, ref_noise = np.random.default_rng(1).normal(0, 0.3, (2, *logp.shape))
@@ -126,7 +126,7 @@ def test_correction_weights_reach_every_micro_batch():
     _, m1 = grads_of(params, batch._replace(is_weight_BxT=weight), 1)
     _, m2 = grads_of(params, batch._replace(is_weight_BxT=weight), 2)
     logp = jax.jit(
-        functools.partial(ts.compute_logprobs, MODEL, temperature=0.7, num_micro_batches=1),
+        functools.partial(ts.compute_logprobs, MODEL, temperature=0.7),
         compiler_options=FAST_COMPILE,
     )(params, batch.tokens_BxT, batch.mask_BxT)
     args = (logp, batch.old_logp_BxT, batch.adv_B, batch.loss_mask_BxT, cfg)
@@ -144,7 +144,7 @@ def test_detached_old_logp_is_the_recomputed_one_and_measures_the_sampler():
     params = init(single_mesh())
     batch = single_device_batch()
     r = rollout()
-    logprobs = functools.partial(ts.compute_logprobs, MODEL, temperature=0.7, num_micro_batches=1)
+    logprobs = functools.partial(ts.compute_logprobs, MODEL, temperature=0.7)
     logp = np.asarray(jax.jit(logprobs, compiler_options=FAST_COMPILE)(params, r.tokens_BxT, r.mask_BxT))
     offset = np.random.default_rng(5).uniform(-0.5, 0.5, logp.shape).astype(np.float32)
     grads_of = lambda mode, old, n: jax.jit(
@@ -164,13 +164,13 @@ def test_detached_old_logp_is_the_recomputed_one_and_measures_the_sampler():
 
 
 @functools.cache  # one compilation per setting, shared by the tests
-def make_step(mesh, micro_rows=0, m=MODEL):
-    """Two micro-batches of padded rows, or micro-batches of `micro_rows` packed rows."""
+def make_step(mesh, micro_rows=4, m=MODEL):
+    """Micro-batches of `micro_rows` rows (two of `single_device_batch`'s padded ones)."""
     # eps = 1 makes Adam's first update ~ lr * g / (|g| + 1): smooth in g, so that float noise
     # in a near-zero gradient cannot flip the sign of an update as g / |g| would.
     schedule = ts.learning_rate_schedule(0.1, 0, "constant")
     opt = ts.make_optimizer(schedule, weight_decay=0.1, max_grad_norm=1e3, eps=1.0)
-    return opt, ts.make_train_step(m, opt, schedule, loss_cfg(), mesh, 2, micro_rows=micro_rows)
+    return opt, ts.make_train_step(m, opt, schedule, loss_cfg(), mesh, micro_rows)
 
 
 @pytest.mark.slow
@@ -243,10 +243,8 @@ def test_packed_sharded_step_and_logprobs_equal_the_padded_single_device_ones(ax
     for a, b in zip(jax.tree.leaves(state8), jax.tree.leaves(state1)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
     r = rollout()
-    logp = ts.make_compute_logprobs(packed_model, mesh, 0.7, 0, micro_rows=d)(
-        params8, packed.tokens_BxT, packed.mask_BxT
-    )
-    full = ts.make_compute_logprobs(MODEL, single, 0.7, 1)(params0, r.tokens_BxT, r.mask_BxT)
+    logp = ts.make_compute_logprobs(packed_model, mesh, 0.7, d)(params8, packed.tokens_BxT, packed.mask_BxT)
+    full = ts.make_compute_logprobs(MODEL, single, 0.7, 8)(params0, r.tokens_BxT, r.mask_BxT)
     on = np.asarray(r.loss_mask_BxT)
     np.testing.assert_allclose(
         packing.unpack(p, np.asarray(logp))[on], np.asarray(full)[on], rtol=1e-5, atol=1e-6
@@ -280,7 +278,7 @@ def test_old_logprobs_are_the_policy_before_the_first_of_k_updates():
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     opt, step = make_step(mesh)
     state = ts.init_train_state(MODEL, opt, mesh, init(mesh))
-    logprobs = ts.make_compute_logprobs(MODEL, mesh, 0.7, 2)
+    logprobs = ts.make_compute_logprobs(MODEL, mesh, 0.7, 8)  # 2 micro-batches of 8
     r = rollout(rows=16, seed=3)
     state, metrics = ts.train_on_rollout(step, logprobs, mesh, state, r, 2, ref_params=init(mesh))
     first, second = jax.device_get(metrics)
