@@ -170,17 +170,17 @@ def tiny() -> ml_collections.ConfigDict:
         param_dtype="float32",
         remat=False,
         remat_policy="nothing_saveable",
-        # Blocks of 64 queries, each reading its causal prefix of keys (no remat): the peer
-        # benchmark's update ~10% faster at 64 and 256 new tokens (experiments/README.md).
+        # Blocks of 64 queries, each reading its causal prefix of keys (no remat): the faster
+        # update on this CPU (experiments/README.md).
         attention_chunk=64,
         scan_layers=False,
         logits_chunk=0,
-        transposed_keys=True,  # cached keys [B, K, H, S]: decode 10% faster on XLA:CPU
+        transposed_keys=True,  # cached keys [B, K, H, S]: XLA:CPU's faster decode
     )
     c.reference = dict(path="")  # β = 0: no reference model is loaded or run
     c.mesh = dict(data=-1, fsdp=1, tensor=1)
-    # The 2-core CPU as 2 XLA devices, the data axis across them (sharding.use_cpu_devices):
-    # the peer benchmark's 256-token step 4.5 -> 3.1-3.3 s (experiments/README.md).
+    # The 2-core CPU as 2 XLA devices, the data axis across them (sharding.use_cpu_devices): the
+    # faster step here (experiments/README.md).
     c.cpu_devices = 2
     c.compilation_cache_dir = ""  # "": <workdir>/compilation_cache (run.use_compilation_cache)
     c.data = dict(
@@ -272,8 +272,8 @@ def smollm2_135m() -> ml_collections.ConfigDict:
     """
     c = tiny()
     c.model.path = common.SMOLLM2_MODEL
-    # f32 compute (tiny's): bf16 GEMMs run 2.5x faster here, but the model's whole forward did
-    # not (16 x 224 tokens: 14.1 s f32, 16.4 s bf16; experiments/results/smollm2/README.md)
+    # f32 compute (tiny's): in bf16 the model's whole forward was not faster on this CPU
+    # (experiments/results/smollm2/README.md)
     c.model.attention_chunk = 0  # prompt + response under 200 tokens: one block
     c.model.logits_chunk = 512  # LM head + log-softmax over 512 x 49,152 at a time (the first
     # trial, without: 13.7 GiB resident)

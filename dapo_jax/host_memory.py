@@ -5,11 +5,9 @@ Two costs of glibc's defaults on a CPU backend (figures: experiments/README.md):
 - Every execution of a compiled step mallocs its temporary buffer (tens to hundreds of MB) and
   frees it at the end. Above the mmap threshold (which glibc raises to at most 32 MiB) each one
   is a fresh mmap, and every page of it faults, zeroed by the kernel, on first touch, in every
-  execution. With both thresholds at 2 GiB the buffers stay in the heap and are reused: the
-  peer benchmark's update ~10% faster, a length-sorted one's ~35%.
+  execution. With both thresholds at 2 GiB the buffers stay in the heap and are reused.
 - Compiling a step allocates and frees a few hundred MB (mostly LLVM's code generation), which
-  the heap then keeps: `malloc_trim(0)` after each compilation returns it (the peer benchmark's
-  peak RSS ~18% lower).
+  the heap then keeps: `malloc_trim(0)` after each compilation returns it.
 Elsewhere than glibc (macOS, musl) all of this is a no-op.
 """
 

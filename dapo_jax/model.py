@@ -81,8 +81,8 @@ class ModelConfig:
 class KVCache(NamedTuple):
     """One layer's cache of S slots: keys `k_BxKxSxH` (with `transposed_keys`, `kT_BxKxHxS`) and
     values `v_BxKxSxH`, slot s of row b holding the key and value of the token that row wrote at
-    s. Transposed keys let a decode step's q.k sum over H along a non-minor axis; XLA:CPU runs it
-    about 4x faster so (figures: experiments/README.md)."""
+    s. Transposed keys let a decode step's q.k sum over H along a non-minor axis, which XLA:CPU
+    runs faster (figures: experiments/README.md)."""
 
     k: jax.Array
     v: jax.Array
