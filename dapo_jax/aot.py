@@ -42,7 +42,19 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from dapo_jax import engine_cost, hf_io, model, packing, programs, run, sampler, sharding, sizes, train_step
+from dapo_jax import (
+    config_checks,
+    engine_cost,
+    hf_io,
+    model,
+    packing,
+    programs,
+    run,
+    sampler,
+    sharding,
+    sizes,
+    train_step,
+)
 from dapo_jax.errors import ConfigError
 
 GIB = 2**30
@@ -524,7 +536,7 @@ def analyse(c, topology: str, hbm_gib: float | None, names) -> tuple[list[dict],
     """Compile the run's programs `names` (of `PROGRAMS`, and "decode": the layouts' bytes per
     decoded token) of the config `c` for `topology`, one at a time, as `programs.build` makes
     them for a run; print and return the rows, and the complaint of `check_fit`."""
-    run.check_ranges(c)
+    config_checks.check_ranges(c)
     unknown = sorted(set(names) - {*PROGRAMS, "decode", "engine"})
     if unknown:
         raise ConfigError(f"--programs: {unknown} not among {[*PROGRAMS, 'decode', 'engine']}")

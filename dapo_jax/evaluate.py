@@ -26,8 +26,9 @@ import jax
 from absl import flags
 
 from dapo_jax import cli, evaluation, export, hf_io, hub, paths, train
+from dapo_jax.config_checks import check_config
 from dapo_jax.errors import ConfigError
-from dapo_jax.run import build, check_config
+from dapo_jax.run import build
 
 
 def apply_overrides(c, *, data=None, samples=None, temperature=None, top_p=None, max_new_tokens=None):

@@ -22,8 +22,9 @@ import jax
 from absl import flags
 
 from dapo_jax import checkpoint, cli, hub, paths, sharding, train
+from dapo_jax.config_checks import check_config
 from dapo_jax.errors import ConfigError
-from dapo_jax.run import Run, build, check_config
+from dapo_jax.run import Run, build
 from dapo_jax.train_step import TrainState
 
 DTYPES = ("float32", "bfloat16", "float16")

@@ -63,16 +63,9 @@ from dapo_jax import (
     sharding,
     train_step,
 )
+from dapo_jax.config_checks import check_config, check_workdir, profile_steps
 from dapo_jax.records import TrainBatch
-from dapo_jax.run import (
-    ConfigError,
-    Run,
-    build,
-    check_config,
-    check_workdir,
-    make_filter,
-    profile_steps,
-)
+from dapo_jax.run import ConfigError, Run, build, make_filter
 
 PREEMPTED = preemption.PREEMPTED  # exit status of a preempted run (EX_TEMPFAIL: requeue me)
 

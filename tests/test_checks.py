@@ -7,7 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from configs import dapo
-from dapo_jax import data, overrides, run
+from dapo_jax import config_checks, data, overrides
 from dapo_jax.errors import ConfigError, DataFileError
 
 
@@ -26,12 +26,12 @@ from dapo_jax.errors import ConfigError, DataFileError
     ],
 )
 def test_in_interval(value, interval, inside):
-    assert run.in_interval(value, interval) is inside
+    assert config_checks.in_interval(value, interval) is inside
 
 
 @pytest.mark.parametrize("variant", sorted(dapo.VARIANTS))
 def test_shipped_configs_are_in_range(variant):
-    run.check_ranges(dapo.get_config(variant))
+    config_checks.check_ranges(dapo.get_config(variant))
 
 
 @pytest.mark.parametrize(
@@ -77,7 +77,7 @@ def test_shipped_configs_are_in_range(variant):
 def test_out_of_range_value_is_named(key, value, message):
     c = overrides.apply(dapo.get_config("tiny"), {key: value})
     with pytest.raises(ConfigError) as e:
-        run.check_config(c)
+        config_checks.check_config(c)
     assert str(e.value) == message
 
 
@@ -130,10 +130,10 @@ def test_out_of_range_value_is_named(key, value, message):
 def test_old_logp_without_a_recompute_must_be_exact(settings, message):
     c = overrides.apply(dapo.get_config("tiny"), settings)
     with pytest.raises(ConfigError) as e:
-        run.check_config(c)
+        config_checks.check_config(c)
     assert str(e.value) == message
     one_update = {"loss.old_logp": "detached", "train.mini_batch_prompts": 32, "train.micro_batch_size": 64}
-    run.check_config(overrides.apply(dapo.get_config("tiny"), one_update))
+    config_checks.check_config(overrides.apply(dapo.get_config("tiny"), one_update))
 
 
 def _bad_files(tmp):
@@ -160,7 +160,7 @@ def test_bad_data_files_are_named(tmp_path):
         c = dapo.get_config("tiny")
         c.data.eval_files = (str(path),)
         with pytest.raises(DataFileError) as e:
-            run.check_config(c)
+            config_checks.check_config(c)
         text = str(e.value)
         assert text.startswith(f"data file {str(path)!r}") and problem in text, text
         assert "\n" not in text
@@ -183,6 +183,6 @@ def test_workdir_that_is_a_file_is_named(tmp_path):
     f.write_text("")
     for workdir in (f, f / "sub"):
         with pytest.raises(ConfigError, match=f"^workdir '{workdir}': '{f}' is a file, not a folder$"):
-            run.check_workdir(str(workdir))
-    run.check_workdir(str(tmp_path / "new" / "run"))  # a folder still to create is fine
-    run.check_workdir(str(tmp_path))
+            config_checks.check_workdir(str(workdir))
+    config_checks.check_workdir(str(tmp_path / "new" / "run"))  # a folder still to create is fine
+    config_checks.check_workdir(str(tmp_path))

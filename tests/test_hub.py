@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from configs import dapo
-from dapo_jax import data, hf_io, hub, run
+from dapo_jax import config_checks, data, hf_io, hub
 from dapo_jax.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -69,7 +69,7 @@ def test_model_and_dataset_ids_resolve_through_the_cache(cache):
     assert resolved.data.train_files == (str(data_dir / "train.parquet"),)
     assert resolved.data.eval_files == (str(data_dir / "test.parquet"), str(data_dir / "train.parquet"))
     assert c.model.path == "tiny-org/tiny-qwen2"  # the caller's config is left as it was
-    run.check_config(resolved)
+    config_checks.check_config(resolved)
     hf_io.check_model_folder(resolved.model.path)
     tokenizer = hf_io.load_tokenizer(resolved.model.path)
     loaded = data.load_prompts(resolved.data.train_files[0], tokenizer, 48, template="{problem}")

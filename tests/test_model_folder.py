@@ -14,7 +14,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from configs import dapo
-from dapo_jax import hf_io, model, run, safetensors_header, sharding
+from dapo_jax import config_checks, hf_io, model, run, safetensors_header, sharding
 from dapo_jax.errors import ConfigError
 
 from conftest import small, small_flags
@@ -164,7 +164,7 @@ def test_missing_tokenizer_names_the_key(tmp_path):
         match=f"tokenizer directory '{folder}' holds no tokenizer "
         r".*: set model.tokenizer_path",
     ):
-        run.check_config(config)
+        config_checks.check_config(config)
 
 
 def test_vocab_smaller_than_the_tokenizer_is_named():

@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from configs import dapo
-from dapo_jax import hf_io, model, overrides, programs, run, sharding
+from dapo_jax import config_checks, hf_io, model, overrides, programs, sharding
 from dapo_jax.errors import ConfigError
 
 
@@ -90,7 +90,7 @@ def test_eval_decodes_in_its_own_micro_batches():
     with pytest.raises(
         ConfigError, match="eval.batch_prompts 8 is not a multiple of eval.micro_batch_prompts 3"
     ):
-        run.check_config(c)
+        config_checks.check_config(c)
 
 
 def test_abstract_inputs_hold_each_programs_arguments_and_what_stays_resident(qwen2_dir):

@@ -416,12 +416,12 @@ def test_plugin_by_module_name(tmp_path, monkeypatch):
 )
 def test_bad_reward_spec_is_one_line_at_config_check(spec, message, tmp_path):
     from configs import dapo
-    from dapo_jax import run
+    from dapo_jax import config_checks
     from dapo_jax.errors import ConfigError
 
     (tmp_path / "my_reward.py").write_text(PLUGIN)
     config = dapo.get_config("tiny")
     config.reward.fn = spec.format(tmp=tmp_path)
     with pytest.raises(ConfigError) as e:
-        run.check_config(config)
+        config_checks.check_config(config)
     assert message.format(tmp=tmp_path) in str(e.value) and "\n" not in str(e.value)

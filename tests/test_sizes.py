@@ -15,7 +15,7 @@ import pytest
 from test_sampler import _config, _load, _prompts
 
 from configs import ablation, dapo, grpo
-from dapo_jax import metrics, overrides, run, sampler, sharding, sizes, train
+from dapo_jax import config_checks, metrics, overrides, sampler, sharding, sizes, train
 from dapo_jax.errors import ConfigError
 
 from conftest import small
@@ -94,25 +94,27 @@ def test_pad_rows_and_nearest_by_hand():
 def test_the_trainers_sizes_are_one_line_naming_the_key(settings, message):
     c = overrides.apply(dapo.get_config("tiny"), settings)
     with pytest.raises(ConfigError) as e:
-        run.check_config(c, num_devices=2)
+        config_checks.check_config(c, num_devices=2)
     assert str(e.value) == message
-    run.check_config(dapo.get_config("tiny"), num_devices=2)
+    config_checks.check_config(dapo.get_config("tiny"), num_devices=2)
 
 
 def test_the_meshes_are_checked_against_the_devices():
     tp = overrides.apply(dapo.get_config("tiny"), {"rollout.tensor_parallel": 3})
     with pytest.raises(ConfigError) as e:
-        run.check_config(tp, num_devices=8)
+        config_checks.check_config(tp, num_devices=8)
     assert str(e.value) == (
         "rollout.tensor_parallel 3: the sampler's mesh of data x 3-way tensor does not fit the 8 "
         "devices; nearest values that work: 2 and 4"
     )
     with pytest.raises(ConfigError, match=r"^mesh \{'data': 3, 'fsdp': 1, 'tensor': 1\} needs 3 devices"):
-        run.check_config(overrides.apply(dapo.get_config("tiny"), {"mesh": {"data": 3}}), num_devices=8)
+        config_checks.check_config(
+            overrides.apply(dapo.get_config("tiny"), {"mesh": {"data": 3}}), num_devices=8
+        )
     # with 2-way tensor parallelism the sampler's data axis is 4 wide: 6 slots do not split
     slots = overrides.apply(tp, {"rollout.tensor_parallel": 2, "rollout.decode_slots": 6})
     with pytest.raises(ConfigError, match="decode_slots 6: .* over the 4 devices .* 4 and 8$"):
-        run.check_config(slots, num_devices=8)
+        config_checks.check_config(slots, num_devices=8)
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ from flax import traverse_util
 from safetensors.numpy import load_file
 
 from configs import dapo
-from dapo_jax import evaluate, evaluation, export, hf_io, metrics, rewards, run, sampler, train
+from dapo_jax import config_checks, evaluate, evaluation, export, hf_io, metrics, rewards, sampler, train
 from dapo_jax.errors import ConfigError
 
 from conftest import small
@@ -128,7 +128,7 @@ def test_bad_tracking_keys_are_one_line(key, value, message):
     c = _config()
     (c.metrics if key == "writers" else c.profile)[key] = value
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        run.check_config(c)
+        config_checks.check_config(c)
 
 
 @pytest.mark.slow
