@@ -43,7 +43,7 @@ def dapo_reward(overlong_buffer: int) -> ml_collections.ConfigDict:
     """math_dapo score plus soft overlong punishment (docs/dapo_spec.md sections 4 and 6)."""
     return ml_collections.ConfigDict(
         dict(
-            fn="math_dapo",  # a name in dapo_jax.rewards.REWARD_FNS
+            fn="math_dapo",  # a name in dapo_jax.math_answers.REWARD_FNS
             timeout_s=10.0,  # per-call limit; a hung or raising reward scores as wrong
             num_workers=2,  # reward worker processes
             overlong_penalty=True,  # soft overlong punishment, added to the score

@@ -18,7 +18,8 @@ import collections
 import math
 import statistics
 
-from dapo_jax.rewards import ERROR, INVALID, TIMEOUT
+from dapo_jax.math_answers import INVALID
+from dapo_jax.rewards import ERROR, TIMEOUT
 
 _NON_ANSWERS = {INVALID, ERROR, TIMEOUT, ""}
 

@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-from dapo_jax import plot, rewards
+from dapo_jax import math_answers, plot
 
 
 def load_samples(eval_dir: str) -> list[dict]:
@@ -63,9 +63,9 @@ def paired_gain(before: dict[int, float], after: dict[int, float]) -> tuple[floa
 def compliance(rows: list[dict]) -> dict[str, float]:
     """Fractions of responses the scorer reads a prediction from, and holding an "Answer:" line."""
     return {
-        "readable": float(np.mean([r["pred"] != rewards.INVALID for r in rows])),
+        "readable": float(np.mean([r["pred"] != math_answers.INVALID for r in rows])),
         "answer_line": float(
-            np.mean([rewards.extract_answer(r["response"]) != rewards.INVALID for r in rows])
+            np.mean([math_answers.extract_answer(r["response"]) != math_answers.INVALID for r in rows])
         ),
         "truncated": float(np.mean([bool(r["truncated"]) for r in rows])),
         "mean_length": float(np.mean([r["length"] for r in rows])),

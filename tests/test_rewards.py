@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from dapo_jax import rewards
+from dapo_jax import math_answers, rewards
 
 PAD = "x" * 400  # pushes earlier text out of the last 300 characters
 
@@ -185,7 +185,7 @@ def test_battery_is_large_and_mixed():
 
 @pytest.mark.parametrize("response,ground_truth,acc,pred", CASES)
 def test_math_dapo_score(response, ground_truth, acc, pred):
-    result = rewards.math_dapo_score(response, ground_truth)
+    result = math_answers.math_dapo_score(response, ground_truth)
     assert result == {"score": 1.0 if acc else -1.0, "acc": acc, "pred": pred}
 
 
@@ -200,21 +200,21 @@ LAST_NUMBER_CASES = [
     ("12 - 15 = 3", "-3", False, "3"),
     ("It is 42.0", "42", True, "42.0"),
     ("42 is it, after 7 tries", "42", False, "7"),
-    ("no number here", "5", False, rewards.INVALID),
-    ("x" * 400 + " 42 " + "y" * 300, "42", False, rewards.INVALID),  # outside the last 300 characters
+    ("no number here", "5", False, math_answers.INVALID),
+    ("x" * 400 + " 42 " + "y" * 300, "42", False, math_answers.INVALID),  # outside the last 300 characters
     ("3", "three", False, "3"),
 ]
 
 
 @pytest.mark.parametrize("response,ground_truth,acc,pred", LAST_NUMBER_CASES)
 def test_last_number_score(response, ground_truth, acc, pred):
-    result = rewards.last_number_score(response, ground_truth)
+    result = math_answers.last_number_score(response, ground_truth)
     assert result == {"score": 1.0 if acc else -1.0, "acc": acc, "pred": pred}
 
 
 def test_registry_by_name():
-    assert rewards.get_reward_fn("math_dapo") is rewards.math_dapo_score
-    assert rewards.get_reward_fn("last_number") is rewards.last_number_score
+    assert rewards.get_reward_fn("math_dapo") is math_answers.math_dapo_score
+    assert rewards.get_reward_fn("last_number") is math_answers.last_number_score
     with pytest.raises(ValueError, match="math_dapo"):
         rewards.get_reward_fn("no_such_reward")
 
@@ -237,9 +237,9 @@ VERIFY_CASES = [
 
 @pytest.mark.parametrize("response,ground_truth,acc", VERIFY_CASES)
 def test_math_verify_score(response, ground_truth, acc):
-    result = rewards.math_verify_score(response, ground_truth)
+    result = math_answers.math_verify_score(response, ground_truth)
     assert (result["score"], result["acc"]) == (1.0 if acc else -1.0, acc)
-    assert result["pred"] == rewards.math_dapo_score(response, ground_truth)["pred"]
+    assert result["pred"] == math_answers.math_dapo_score(response, ground_truth)["pred"]
 
 
 def test_math_verify_in_worker_processes():
@@ -248,7 +248,7 @@ def test_math_verify_in_worker_processes():
     with rewards.RewardScorer(rewards.get_reward_fn("math_verify"), num_workers=2) as scorer:
         results, stats = scorer.score_batch(responses, truths)
     assert [r["acc"] for r in results] == [a for _, _, a in VERIFY_CASES] + [False]
-    assert results[-1]["pred"] == rewards.INVALID and stats == {"n_error": 0, "n_timeout": 0}
+    assert results[-1]["pred"] == math_answers.INVALID and stats == {"n_error": 0, "n_timeout": 0}
 
 
 def test_math_verify_missing_names_the_install(monkeypatch):
@@ -302,7 +302,7 @@ def flaky_reward(response_text, ground_truth):
         time.sleep(60)
     if "JUNK" in response_text:
         return "not a dict"
-    return rewards.math_dapo_score(response_text, ground_truth)
+    return math_answers.math_dapo_score(response_text, ground_truth)
 
 
 def test_scorer_contains_errors_and_hangs(caplog):
@@ -334,7 +334,7 @@ def test_scorer_contains_errors_and_hangs(caplog):
 
 def test_score_batch_one_off():
     results, stats = rewards.score_batch(
-        rewards.math_dapo_score, ["Answer: 3", "no"], ["3", "3"], num_workers=1
+        math_answers.math_dapo_score, ["Answer: 3", "no"], ["3", "3"], num_workers=1
     )
     assert [r["acc"] for r in results] == [True, False]
     assert stats == {"n_error": 0, "n_timeout": 0}

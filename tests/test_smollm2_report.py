@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from configs import dapo
-from dapo_jax import rewards, synthetic
+from dapo_jax import math_answers, synthetic
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "experiments"))
@@ -53,7 +53,7 @@ def test_compliance_and_table():
     rows = [
         _row(0, 0, True),
         _row(0, 1, False, "Answer: 3", "3"),
-        _row(1, 0, False, "no idea", rewards.INVALID),
+        _row(1, 0, False, "no idea", math_answers.INVALID),
     ]
     c = smollm2_report.compliance(rows)
     assert c["readable"] == pytest.approx(2 / 3) and c["answer_line"] == pytest.approx(1 / 3)
@@ -74,7 +74,7 @@ def test_smollm2_data_is_held_out_and_scored_by_the_last_number():
     assert not chains(train) & chains(test)
     for row in test[:50]:
         solution, truth = row["extra_info"]["solution"], row["reward_model"]["ground_truth"]
-        assert rewards.last_number_score(solution, truth)["acc"]
+        assert math_answers.last_number_score(solution, truth)["acc"]
     # the command in data/smollm2/README.md
     train_again, test_again = synthetic.make_splits(
         4000, 300, 0, min_operands=2, max_operands=2, max_operand=30, style="word"

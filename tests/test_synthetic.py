@@ -7,7 +7,7 @@ import re
 import pyarrow.parquet as pq
 import pytest
 
-from dapo_jax import rewards, synthetic
+from dapo_jax import math_answers, synthetic
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,7 +37,7 @@ def test_rows_are_consistent_and_deterministic():
         assert row["reward_model"]["ground_truth"] == str(eval(expression))  # python precedence
         assert row["extra_info"]["index"] == i
         assert len(solution.split("\n")) == row["extra_info"]["n_ops"] + 1
-        assert rewards.math_dapo_score(solution, row["reward_model"]["ground_truth"])["acc"]
+        assert math_answers.math_dapo_score(solution, row["reward_model"]["ground_truth"])["acc"]
         assert set(problem + solution) <= set("0123456789+-*=.: \nComputeAnswer")
 
 

@@ -19,7 +19,7 @@ from flax import traverse_util
 from safetensors.numpy import load_file
 
 from configs import dapo
-from dapo_jax import config_checks, evaluate, evaluation, export, hf_io, metrics, rewards, sampler, train
+from dapo_jax import config_checks, evaluate, evaluation, export, hf_io, math_answers, metrics, sampler, train
 from dapo_jax.errors import ConfigError
 
 from conftest import small
@@ -149,7 +149,7 @@ def test_evaluate_a_checkpoint_writes_every_sample(workdir):
     rows = [json.loads(line) for line in open(os.path.join(out, "samples.jsonl"))]
     assert len(rows) == 8 * 2 and {r["sample"] for r in rows} == {0, 1}
     for row in rows:  # every row's score is the reward of its own response, recomputed here
-        expected = rewards.math_dapo_score(row["response"], row["ground_truth"])
+        expected = math_answers.math_dapo_score(row["response"], row["ground_truth"])
         assert (row["score"], row["acc"], row["pred"]) == (
             expected["score"],
             expected["acc"],
