@@ -26,7 +26,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh
 
-from dapo_jax import model, sharding, sizes, train_step
+from dapo_jax import logprobs, model, sharding, sizes, train_step
 from dapo_jax.sampler import Sampler, SamplingConfig
 
 GIB = 2**30
@@ -124,7 +124,7 @@ def update_fns(c: ml_collections.ConfigDict, m: model.Transformer, mesh: Mesh):
     return (
         optimizer,
         train_step.make_train_step(m, optimizer, schedule, loss_cfg, mesh, rows),
-        train_step.make_compute_logprobs(m, mesh, c.rollout.temperature, rows),
+        logprobs.make_compute_logprobs(m, mesh, c.rollout.temperature, rows),
     )
 
 
@@ -279,11 +279,11 @@ def abstract_inputs(p: Programs, c: ml_collections.ConfigDict) -> dict[str, Lowe
         _rows(p.mesh, bt, jnp.float32) if c.loss.beta > 0 else None,
         _rows(p.mesh, bt, jnp.float32) if c.loss.rollout_is else None,
     )
-    step, logprobs = p.train_step, p.logprobs_fn
+    step, logprobs_fn, tokens = p.train_step, p.logprobs_fn, _rows(p.mesh, lt, jnp.int32)
     held = (state,) if p.cast is not None else moments  # beside the samplers' weights
     out = {
         "train": Lowerable(step, (state, batch), ref),
-        "logprobs": Lowerable(logprobs, (state.params, *(_rows(p.mesh, lt, jnp.int32),) * 2), moments + ref),
+        "logprobs": Lowerable(logprobs_fn, (state.params, tokens, tokens), moments + ref),
         "rollout": _sampler_inputs(p.sampler, s.rollout_prompts, s.prompt_len, s.group)._replace(
             resident=held + ref
         ),

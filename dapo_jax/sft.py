@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from dapo_jax import logprobs
 from dapo_jax import model as model_lib
-from dapo_jax import train_step
 
 
 def sft_batch(
@@ -42,7 +42,7 @@ def sft_batch(
 def nll(model, params, tokens_BxT, mask_BxT, loss_mask_BxT) -> jax.Array:
     """The token-mean negative log-likelihood of the loss-masked tokens (module docstring)."""
     logits_BxTxV = model_lib.forward(model, params, tokens_BxT, mask_BxT)
-    logp_BxT, _ = train_step.shifted_logp_and_entropy(logits_BxTxV, tokens_BxT, 1.0)
+    logp_BxT, _ = logprobs.shifted_logp_and_entropy(logits_BxTxV, tokens_BxT, 1.0)
     m_BxT = loss_mask_BxT.astype(jnp.float32)
     return -jnp.sum(logp_BxT * m_BxT) / jnp.maximum(jnp.sum(m_BxT), 1.0)
 

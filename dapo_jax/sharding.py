@@ -122,6 +122,21 @@ def activate(mesh: Mesh):
         yield
 
 
+def on_mesh(jitted, mesh):
+    """`jitted` traced and run under `activate(mesh)` (logical constraints apply)."""
+
+    def call(*args):
+        with activate(mesh):
+            return jitted(*args)
+
+    def lower(*args):
+        with activate(mesh):
+            return jitted.lower(*args)
+
+    call.lower = lower
+    return call
+
+
 def logical_to_sharding(logical_tree, mesh: Mesh):
     """Map a tree of logical PartitionSpecs to NamedShardings on `mesh` under `RULES`."""
     return nn.logical_to_mesh_sharding(logical_tree, mesh, RULES)

@@ -9,7 +9,7 @@ One optimizer update on a mini-batch of B rows (tokens = prompt + response, padd
 Per-token arrays are aligned with tokens_BxT: entry t is about token t (its log-prob is predicted by
 the logits at t - 1); entry 0 has no predecessor, is 0 and must be outside the loss mask.
 A rollout batch is split into k mini-batches, one update each (`train_on_rollout`); pi_old and
-pi_ref log-probs are computed once before the first update by `compute_logprobs`.
+pi_ref log-probs are computed once before the first update by `logprobs.compute_logprobs`.
 The trainer's rows are packed rows (`dapo_jax.packing`: several responses with their prompts per
 row, segment ids for the mask, A_i per token): the same sums, no padding trained, micro-batches
 of `micro_rows` rows. Padded rows (a boolean mask, A_i per row) go through the same functions,
@@ -29,8 +29,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec
 
-from dapo_jax import model as model_lib
-from dapo_jax import objective, rollout_correction, sharding
+from dapo_jax import logprobs, objective, rollout_correction, sharding
 
 # Where log pi_old comes from. "recompute": a forward pass of the current params before the first
 # update (verl's recipe). "sampler": the sampler's log-probs (the same params; equal to ~1e-7 in
@@ -162,101 +161,11 @@ def segments_of(mask_BxT):
     return mask_BxT if jnp.issubdtype(mask_BxT.dtype, jnp.integer) else None
 
 
-def _split_micro(x, n: int):
-    """[B, ...] -> [n, B / n, ...]; micro-batch k holds rows k, k + n, ..., so that each one is
-    spread evenly over the data-parallel shards of the batch axis."""
-    if x.shape[0] % n:
-        raise ValueError(f"batch of {x.shape[0]} rows does not split into {n} micro-batches")
-    x = x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1)
-    return nn.with_logical_constraint(x, (None, "batch") + (None,) * (x.ndim - 2))
-
-
-def _merge_micro(x):
-    """Inverse of `_split_micro`."""
-    return x.swapaxes(0, 1).reshape(-1, *x.shape[2:])
-
-
-def shifted_logp_and_entropy(logits_BxTxV, tokens_BxT, temperature: float):
-    """`(logp_BxT, entropy_BxT)` aligned with tokens: entry t is log pi(token_t | tokens_<t) and the
-    entropy of that prediction, both from the logits at t - 1; entry 0 is 0."""
-    next_BxT = jnp.roll(tokens_BxT, -1, axis=1)
-    logp_BxT, entropy_BxT = objective.token_logp_and_entropy(logits_BxTxV, next_BxT, temperature)
-    shift = lambda x_BxT: jnp.pad(x_BxT[:, :-1], ((0, 0), (1, 0)))
-    return shift(logp_BxT), shift(entropy_BxT)
-
-
-def chunked_logp_and_entropy(
-    config: model_lib.ModelConfig,
-    params,
-    x_BxTxD,
-    targets_BxT,
-    temperature: float,
-    chunk: int,
-    remat: bool = True,
-):
-    """`objective.token_logp_and_entropy` of the logits `lm_head(x)`, computed over blocks of
-    `chunk` tokens (one block when T <= chunk or chunk = 0). Each block's B x chunk x V logits
-    are made, reduced to log p and H and dropped; with `remat` they are recomputed in the backward
-    pass, which then also holds one block's logits at a time, not T x V of them (~13 GB of f32
-    logits per 20k-token sequence at Qwen's 152k vocabulary)."""
-
-    def block(x_bxCxD, targets_bxC):
-        logits_bxCxV = nn.with_logical_constraint(
-            model_lib.lm_head(config, params, x_bxCxD), ("batch", "length", "vocab")
-        )
-        return objective.token_logp_and_entropy(logits_bxCxV, targets_bxC, temperature)
-
-    b, t, d = x_BxTxD.shape
-    if not chunk or t <= chunk:
-        return block(x_BxTxD, targets_BxT)
-    n = -(-t // chunk)
-    pad = ((0, 0), (0, n * chunk - t))  # padded tokens' values are dropped
-    x_NxBxCxD = jnp.pad(x_BxTxD, pad + ((0, 0),)).reshape(b, n, chunk, d).swapaxes(0, 1)
-    targets_NxBxC = jnp.pad(targets_BxT, pad).reshape(b, n, chunk).swapaxes(0, 1)
-    one = lambda xs: block(*xs)
-    logp_NxBxC, entropy_NxBxC = jax.lax.map(jax.checkpoint(one) if remat else one, (x_NxBxCxD, targets_NxBxC))
-    merge = lambda v_NxBxC: v_NxBxC.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
-    return merge(logp_NxBxC), merge(entropy_NxBxC)
-
-
-def model_logp_and_entropy(model, params, tokens_BxT, mask_BxT, temperature: float):
-    """`shifted_logp_and_entropy` of the model's teacher-forced pass, the LM head and log-softmax
-    over blocks of `model.config.logits_chunk` tokens (`chunked_logp_and_entropy`)."""
-    x_BxTxD = model_lib.forward_hidden(model, params, tokens_BxT, mask_BxT)
-    next_BxT = jnp.roll(tokens_BxT, -1, axis=1)
-    logp_BxT, entropy_BxT = chunked_logp_and_entropy(
-        model.config, params, x_BxTxD, next_BxT, temperature, model.config.logits_chunk
-    )
-    shift = lambda x_BxT: jnp.pad(x_BxT[:, :-1], ((0, 0), (1, 0)))
-    return shift(logp_BxT), shift(entropy_BxT)
-
-
-def compute_logprobs(model, params, tokens_BxT, mask_BxT, temperature: float, micro_rows: int | None = None):
-    """log pi_params(token_t | tokens_<t) aligned with tokens (entry 0 and padding: don't care),
-    one forward per micro-batch of `micro_rows` rows (`lax.map`; None: one of every row) to bound
-    the memory of the logits; packed rows take their segment ids as `mask_BxT`."""
-
-    def one(micro):
-        tokens_bxT, mask_bxT = micro
-        return model_logp_and_entropy(model, params, tokens_bxT, mask_bxT, temperature)[0]
-
-    split = functools.partial(_split_micro, n=_micro_count(tokens_BxT.shape[0], micro_rows))
-    return _merge_micro(jax.lax.map(one, (split(tokens_BxT), split(mask_BxT))))
-
-
-def make_compute_logprobs(model, mesh, temperature: float, micro_rows: int):
-    """`compute_logprobs` jitted on `mesh`: `fn(params, tokens_BxT, mask_BxT) -> logp_BxT`."""
-    fn = functools.partial(compute_logprobs, model, temperature=temperature, micro_rows=micro_rows)
-    rows = sharding.batch_sharding(mesh, 2)
-    jitted = jax.jit(fn, in_shardings=(sharding.param_shardings(model, mesh), rows, rows), out_shardings=rows)
-    return _on_mesh(jitted, mesh)
-
-
 def micro_loss(model, loss_cfg: LossConfig, denom: objective.Denominators, params, micro: Batch):
     """`(loss, metrics)`: a micro-batch's additive share of its mini-batch's policy loss, given the
     mini-batch's `denom`; metrics are its shares too (logp_diff_max its maximum)."""
     c = loss_cfg
-    logp_bxT, entropy_bxT = model_logp_and_entropy(
+    logp_bxT, entropy_bxT = logprobs.model_logp_and_entropy(
         model, params, micro.tokens_BxT, micro.mask_BxT, c.temperature
     )
     detached = c.old_logp == "detached"
@@ -307,7 +216,7 @@ def _accumulated_grads(model, loss_cfg: LossConfig, num_micro_batches: int, para
         (_, metrics), g = grad_fn(params, micro)
         return jax.tree.map(jnp.add, grads, g), metrics
 
-    micros = jax.tree.map(functools.partial(_split_micro, n=num_micro_batches), batch)
+    micros = jax.tree.map(functools.partial(logprobs.split_micro, n=num_micro_batches), batch)
     grads, metrics_N = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), micros)
     return grads, {k: jnp.max(v) if k.endswith("_max") else jnp.sum(v) for k, v in metrics_N.items()}
 
@@ -352,18 +261,8 @@ def apply_gradients(optimizer, schedule, state: TrainState, grads, metrics: dict
     return new_state, metrics
 
 
-def _micro_count(rows: int, micro_rows: int | None) -> int:
-    """The micro-batches of `micro_rows` rows (None: all) in a batch of `rows` (packed rows: their
-    count varies with the lengths, one program per count)."""
-    if micro_rows is None:
-        return 1
-    if rows % micro_rows:
-        raise ValueError(f"{rows} rows do not split into micro-batches of {micro_rows}")
-    return rows // micro_rows
-
-
 def _train_step(model, optimizer, schedule, loss_cfg, micro_rows, mesh, state: TrainState, batch: Batch):
-    n = _micro_count(batch.tokens_BxT.shape[0], micro_rows)
+    n = logprobs.micro_count(batch.tokens_BxT.shape[0], micro_rows)
     grads, metrics = loss_and_grads(model, loss_cfg, state.params, batch, n, mesh)
     return apply_gradients(optimizer, schedule, state, grads, metrics)
 
@@ -393,28 +292,13 @@ def make_train_step(model, optimizer, schedule, loss_cfg: LossConfig, mesh, micr
         donate_argnums=0,
     )
     # a device's own scan has no logical constraints to apply (the mesh is all manual there)
-    return jitted if per_device else _on_mesh(jitted, mesh)
+    return jitted if per_device else sharding.on_mesh(jitted, mesh)
 
 
 def bucket_width(needed: int, bucket: int, at_most: int) -> int:
     """`needed` columns (at least 1) rounded up to a multiple of `bucket`, at most `at_most`: the
     trained widths, so that few shapes compile."""
     return min(at_most, -(-max(needed, 1) // bucket) * bucket)
-
-
-def _on_mesh(jitted, mesh):
-    """`jitted` traced and run under `sharding.activate(mesh)` (logical constraints apply)."""
-
-    def call(*args):
-        with sharding.activate(mesh):
-            return jitted(*args)
-
-    def lower(*args):
-        with sharding.activate(mesh):
-            return jitted.lower(*args)
-
-    call.lower = lower
-    return call
 
 
 @functools.partial(jax.jit, static_argnums=1)

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dapo_jax import hf_io, model, packing, sharding
+from dapo_jax import hf_io, logprobs, model, packing, sharding
 from dapo_jax import train_step as ts
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
@@ -114,7 +114,7 @@ def make_update(old_logp: str, dtype: str, micro: int, micro_rows: int, mesh, at
     loss_cfg = ts.LossConfig(clip_ratio_c=10.0, temperature=1.0, old_logp=old_logp)
     rows = micro_rows or ROWS // micro  # padded rows: `micro` micro-batches of the batch
     step = ts.make_train_step(m, opt, schedule, loss_cfg, mesh, rows)
-    logprobs = ts.make_compute_logprobs(m, mesh, 1.0, rows)
+    logprobs_fn = logprobs.make_compute_logprobs(m, mesh, 1.0, rows)
     state = ts.init_train_state(m, opt, mesh, sharding.init_params(m, mesh, jax.random.key(0)))
 
     def update(state, rollout, sampler_logp):
@@ -125,10 +125,12 @@ def make_update(old_logp: str, dtype: str, micro: int, micro_rows: int, mesh, at
             )
             sampler_logp = packing.pack(p, sampler_logp)
         old = (
-            logprobs(state.params, rollout.tokens_BxT, rollout.mask_BxT) if old_logp == "recompute" else None
+            logprobs_fn(state.params, rollout.tokens_BxT, rollout.mask_BxT)
+            if old_logp == "recompute"
+            else None
         )
         state, metrics = ts.train_on_rollout(
-            step, logprobs, mesh, state, rollout, 1, None, sampler_logp if old is None else old
+            step, logprobs_fn, mesh, state, rollout, 1, None, sampler_logp if old is None else old
         )
         return state, metrics
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from test_train_step import CFG, FAST_COMPILE, MODEL, init, loss_cfg, rollout, single_mesh
 
-from dapo_jax import model, objective, packing
+from dapo_jax import logprobs, model, objective, packing
 from dapo_jax import train_step as ts
 
 
@@ -62,12 +62,12 @@ def test_packed_logprobs_unpack_to_the_padded_ones(packed_model):
     params, r = init(single_mesh()), rollout()
     p, packed = _packed(r)
     assert p.num_rows < len(r.adv_B)  # 8 rows of 16 columns in fewer
-    logprobs = lambda m: jax.jit(
-        functools.partial(ts.compute_logprobs, m, temperature=0.7),
+    logprobs_of = lambda m: jax.jit(
+        functools.partial(logprobs.compute_logprobs, m, temperature=0.7),
         compiler_options=FAST_COMPILE,
     )
-    padded = np.asarray(logprobs(MODEL)(params, r.tokens_BxT, r.mask_BxT))
-    got = packing.unpack(p, np.asarray(logprobs(packed_model)(params, packed.tokens_BxT, packed.mask_BxT)))
+    padded = np.asarray(logprobs_of(MODEL)(params, r.tokens_BxT, r.mask_BxT))
+    got = packing.unpack(p, np.asarray(logprobs_of(packed_model)(params, packed.tokens_BxT, packed.mask_BxT)))
     on = r.loss_mask_BxT
     np.testing.assert_allclose(got[on], padded[on], rtol=0, atol=1e-5)
 
@@ -82,7 +82,7 @@ def test_packed_loss_and_gradients_equal_the_padded_ones(agg_mode, packed_model)
     params, r = init(single_mesh()), rollout()
     noise = np.random.default_rng(1).normal(0, 0.3, (2, *r.tokens_BxT.shape)).astype(np.float32)
     logp = jax.jit(
-        functools.partial(ts.compute_logprobs, MODEL, temperature=0.7),
+        functools.partial(logprobs.compute_logprobs, MODEL, temperature=0.7),
         compiler_options=FAST_COMPILE,
     )(params, r.tokens_BxT, r.mask_BxT)
     old, ref = np.asarray(logp) + noise  # the clips are hit

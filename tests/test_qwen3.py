@@ -13,7 +13,7 @@ from safetensors import safe_open
 from test_hf_parity import _hf_logits, _left_padded_batch, _our_logits
 from test_sampler import _config, _hf_greedy, _prompts
 
-from dapo_jax import hf_io, hf_save, model, sampler, sharding
+from dapo_jax import hf_io, hf_save, logprobs, model, sampler, sharding
 from dapo_jax import train_step as ts
 
 
@@ -75,8 +75,8 @@ def test_qwen3_greedy_rollouts_and_a_train_step_on_a_sharded_mesh(qwen3_dir):
         np.pad(np.ones_like(tokens, bool), ((0, 0), (16, 0))),
         np.array([1.0, -1.0, 0.5, -0.5], np.float32),
     )
-    logprobs = ts.make_compute_logprobs(m, mesh, 1.0, 4)
-    old_logp = np.asarray(logprobs(params, rollout.tokens_BxT, rollout.mask_BxT))
+    logprobs_fn = logprobs.make_compute_logprobs(m, mesh, 1.0, 4)
+    old_logp = np.asarray(logprobs_fn(params, rollout.tokens_BxT, rollout.mask_BxT))
     np.testing.assert_allclose(old_logp[:, 16:], np.asarray(out.logp_BxN), atol=1e-5)
     schedule = ts.learning_rate_schedule(1e-2, 0, "constant")
     opt = ts.make_optimizer(schedule, weight_decay=0.0, max_grad_norm=1e3)
@@ -84,7 +84,7 @@ def test_qwen3_greedy_rollouts_and_a_train_step_on_a_sharded_mesh(qwen3_dir):
     step = ts.make_train_step(m, opt, schedule, loss, mesh, 4)
     state = ts.init_train_state(m, opt, mesh, params)
     before = jax.tree.map(np.asarray, params["layers_0"]["self_attn"])
-    state, metrics = ts.train_on_rollout(step, logprobs, mesh, state, rollout, 1)
+    state, metrics = ts.train_on_rollout(step, logprobs_fn, mesh, state, rollout, 1)
     assert jax.device_get(metrics)[0]["skipped"] == 0.0
     after = state.params["layers_0"]["self_attn"]
     for norm in ("q_norm", "k_norm"):

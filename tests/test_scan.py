@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
-from dapo_jax import hf_io, hf_save, model, sampler, sharding, train_step
+from dapo_jax import hf_io, hf_save, logprobs, model, sampler, sharding, train_step
 
 
 def _models(model_dir):
@@ -45,7 +45,7 @@ def test_scanned_logits_and_gradients_equal_unrolled(fixture, request, single):
 
     def loss(m):
         def f(p):
-            logp, entropy = train_step.model_logp_and_entropy(m, p, tokens, mask, 0.7)
+            logp, entropy = logprobs.model_logp_and_entropy(m, p, tokens, mask, 0.7)
             return jnp.sum(logp * mask) + jnp.sum(entropy * mask)
 
         return f
@@ -121,7 +121,7 @@ def test_chunked_logp_entropy_and_gradients_equal_unchunked():
     )
 
     def value(p, x, chunk):
-        logp, entropy = train_step.chunked_logp_and_entropy(cfg, p, x, targets_BxT, 0.8, chunk)
+        logp, entropy = logprobs.chunked_logp_and_entropy(cfg, p, x, targets_BxT, 0.8, chunk)
         return jnp.sum(logp * jnp.arange(37)) + jnp.sum(entropy), (logp, entropy)
 
     grads = jax.grad(value, argnums=(0, 1), has_aux=True)
@@ -137,7 +137,7 @@ def _temp_bytes(chunk, remat=True):
     cfg, params, x_BxTxD, targets_BxT = _head_case(vocab=4096, d=32, b=2, t=256)
 
     def loss(p, x):
-        logp, entropy = train_step.chunked_logp_and_entropy(cfg, p, x, targets_BxT, 1.0, chunk, remat=remat)
+        logp, entropy = logprobs.chunked_logp_and_entropy(cfg, p, x, targets_BxT, 1.0, chunk, remat=remat)
         return jnp.sum(logp) + jnp.sum(entropy)
 
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x_BxTxD).compile()

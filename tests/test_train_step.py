@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dapo_jax import model, objective, packing, sharding
+from dapo_jax import logprobs, model, objective, packing, sharding
 from dapo_jax import train_step as ts
 
 CFG = model.ModelConfig(
@@ -68,7 +68,7 @@ def single_device_batch():
     the policy's plus noise, so that the clips are hit."""
     r = rollout()
     logp = jax.jit(
-        functools.partial(ts.compute_logprobs, MODEL, temperature=0.7),
+        functools.partial(logprobs.compute_logprobs, MODEL, temperature=0.7),
         compiler_options=FAST_COMPILE,
     )(init(single_mesh()), r.tokens_BxT, r.mask_BxT)
     old_noise, ref_noise = np.random.default_rng(1).normal(0, 0.3, (2, *logp.shape))
@@ -126,7 +126,7 @@ def test_correction_weights_reach_every_micro_batch():
     _, m1 = grads_of(params, batch._replace(is_weight_BxT=weight), 1)
     _, m2 = grads_of(params, batch._replace(is_weight_BxT=weight), 2)
     logp = jax.jit(
-        functools.partial(ts.compute_logprobs, MODEL, temperature=0.7),
+        functools.partial(logprobs.compute_logprobs, MODEL, temperature=0.7),
         compiler_options=FAST_COMPILE,
     )(params, batch.tokens_BxT, batch.mask_BxT)
     args = (logp, batch.old_logp_BxT, batch.adv_B, batch.loss_mask_BxT, cfg)
@@ -144,8 +144,8 @@ def test_detached_old_logp_is_the_recomputed_one_and_measures_the_sampler():
     params = init(single_mesh())
     batch = single_device_batch()
     r = rollout()
-    logprobs = functools.partial(ts.compute_logprobs, MODEL, temperature=0.7)
-    logp = np.asarray(jax.jit(logprobs, compiler_options=FAST_COMPILE)(params, r.tokens_BxT, r.mask_BxT))
+    logprobs_fn = functools.partial(logprobs.compute_logprobs, MODEL, temperature=0.7)
+    logp = np.asarray(jax.jit(logprobs_fn, compiler_options=FAST_COMPILE)(params, r.tokens_BxT, r.mask_BxT))
     offset = np.random.default_rng(5).uniform(-0.5, 0.5, logp.shape).astype(np.float32)
     grads_of = lambda mode, old, n: jax.jit(
         functools.partial(ts.loss_and_grads, MODEL, dataclasses.replace(loss_cfg(), old_logp=mode)),
@@ -243,8 +243,10 @@ def test_packed_sharded_step_and_logprobs_equal_the_padded_single_device_ones(ax
     for a, b in zip(jax.tree.leaves(state8), jax.tree.leaves(state1)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
     r = rollout()
-    logp = ts.make_compute_logprobs(packed_model, mesh, 0.7, d)(params8, packed.tokens_BxT, packed.mask_BxT)
-    full = ts.make_compute_logprobs(MODEL, single, 0.7, 8)(params0, r.tokens_BxT, r.mask_BxT)
+    logp = logprobs.make_compute_logprobs(packed_model, mesh, 0.7, d)(
+        params8, packed.tokens_BxT, packed.mask_BxT
+    )
+    full = logprobs.make_compute_logprobs(MODEL, single, 0.7, 8)(params0, r.tokens_BxT, r.mask_BxT)
     on = np.asarray(r.loss_mask_BxT)
     np.testing.assert_allclose(
         packing.unpack(p, np.asarray(logp))[on], np.asarray(full)[on], rtol=1e-5, atol=1e-6
@@ -278,9 +280,9 @@ def test_old_logprobs_are_the_policy_before_the_first_of_k_updates():
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     opt, step = make_step(mesh)
     state = ts.init_train_state(MODEL, opt, mesh, init(mesh))
-    logprobs = ts.make_compute_logprobs(MODEL, mesh, 0.7, 8)  # 2 micro-batches of 8
+    logprobs_fn = logprobs.make_compute_logprobs(MODEL, mesh, 0.7, 8)  # 2 micro-batches of 8
     r = rollout(rows=16, seed=3)
-    state, metrics = ts.train_on_rollout(step, logprobs, mesh, state, r, 2, ref_params=init(mesh))
+    state, metrics = ts.train_on_rollout(step, logprobs_fn, mesh, state, r, 2, ref_params=init(mesh))
     first, second = jax.device_get(metrics)
     assert int(state.step) == 2
     # Update 1: pi_theta = pi_old = pi_ref, so r = 1 on every token, no clipping, no KL.
