@@ -16,6 +16,9 @@ the same tensors and safetensors' own serializer.
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -134,3 +137,27 @@ def _write(shard: dict, path) -> None:
         path.write_bytes(save(shard, metadata={"format": "pt"}))
     else:
         save_file(shard, str(path), metadata={"format": "pt"})
+
+
+def save_model(
+    params, hf_config: dict, tokenizer, model_dir: str, out: str, dtype: str, max_shard_bytes: int
+) -> str:
+    """`params` as a Hugging Face model directory `out` (local or a URL): every process writes
+    its own safetensors shards (`save_params`); process 0 then adds the tokenizer and the base
+    model's (`model_dir`) generation_config.json, and checks the folder as a load would."""
+    save_params(params, hf_config, out, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    if jax.process_index() != 0:
+        return out
+    gen = os.path.join(model_dir, "generation_config.json")
+    if not paths.is_url(out):
+        tokenizer.save_pretrained(out)
+        if os.path.isfile(gen):
+            shutil.copy(gen, out)
+        hf_io.check_model_folder(out)  # what a load of the export checks, before anyone loads it
+        return out
+    with tempfile.TemporaryDirectory(prefix="dapo-export-") as local:  # the small files only
+        tokenizer.save_pretrained(local)
+        if os.path.isfile(gen):
+            shutil.copy(gen, local)
+        paths.upload_tree(local, out)
+    return out

@@ -10,16 +10,23 @@ a digest of what the filter decided (the kept mask, the generation-batch count) 
 after each generation batch, so that processes that would go on to different collectives (one
 more generation batch on one of them: a hang no heartbeat sees) stop instead, each with the
 same one-line `HostDisagreement`. rewards.py and the filter stay JAX-free: the gathering is here.
+When a collective fails because a process died, `peer_failure` names the dead one.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import sys
+import threading
 import zlib
 
 import jax
 import numpy as np
+from jax._src import distributed  # the client of jax.distributed.initialize
 from jax.experimental import multihost_utils
+
+from dapo_jax import preemption
 
 
 class HostDisagreement(RuntimeError):
@@ -114,3 +121,45 @@ def _minority(digests_P: np.ndarray) -> list[int]:
     values, counts = np.unique(digests_P, return_counts=True)
     common = max(values, key=lambda v: (counts[values == v][0], v == digests_P[0]))
     return [int(p) for p in np.flatnonzero(digests_P != common)]
+
+
+def peer_failure(error: Exception, close_workers) -> None:
+    """A collective of a multi-process run failed: most likely another process died. Says so,
+    waits for JAX's coordination service to name the dead process(es) (it declares a process
+    dead after --heartbeat_timeout seconds without a heartbeat, and may itself end this process
+    first with "The following tasks are unhealthy ... : N"), closes this process's reward
+    workers (`close_workers()`), then exits with status 1 without running the shutdown barrier
+    that would wait for the dead one."""
+    me, n = jax.process_index(), jax.process_count()
+    if preemption.noticed():  # a peer has left for the preemption: this process's exit follows
+        threading.Event().wait()
+    reason = " ".join(str(error).split())[:300]
+    print(
+        f"error: process {me}: a collective with the other processes failed ({reason}); "
+        f"waiting up to --heartbeat_timeout for the coordination service to name the dead "
+        "process",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        close_workers()  # the reward workers
+    except Exception:  # noqa: BLE001 - exiting anyway; the reward workers end with this process
+        pass
+    try:
+        alive = distributed.global_state.client.get_live_nodes(list(range(n)))
+        dead = sorted(set(range(n)) - set(alive))
+        print(
+            f"error: process {me}: process(es) {', '.join(map(str, dead)) or 'none'} of {n} "
+            "stopped sending heartbeats (died); relaunch all processes: the run resumes from "
+            "the last complete checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
+    except Exception as e:  # noqa: BLE001 - the service itself may be gone (process 0 died)
+        print(
+            f"error: process {me}: the coordination service (process 0) is unreachable "
+            f"({type(e).__name__}): process 0 died; relaunch all processes",
+            file=sys.stderr,
+            flush=True,
+        )
+    os._exit(1)

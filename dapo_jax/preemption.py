@@ -18,7 +18,7 @@ How every process learns of it, promptly and without a collective that could han
   *step* to save at instead, which needs every process to reach that point: hours away here;
 - each process then waits (at most `grace_s` in all) for its checkpoint save in flight, sets an
   "I noticed" key and waits for everyone's, so that no process exits while another could still
-  take the exit of a peer for a crash (`noticed()` tells `train._peer_failure` to wait instead);
+  take the exit of a peer for a crash (`noticed()` tells `hosts.peer_failure` to wait instead);
   process 0, which serves the keys, exits last; then `os._exit(75)`, which also ends a main
   thread stuck in a collective with a peer that has already gone.
 """

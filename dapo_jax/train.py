@@ -19,7 +19,7 @@ config (2) and a crash (1); checkpoints come every `checkpoint.every` steps and 
 `checkpoint.every_minutes` of wall clock. After each generation batch the processes check that
 they agree on the rewards and the kept groups (`hosts.check_agreed`). When another process dies,
 JAX's coordination service ends the survivors within `--heartbeat_timeout` seconds with a message
-naming it (`_peer_failure` says so first where a collective fails with an error) instead of
+naming it (`hosts.peer_failure` says so first where a collective fails with an error) instead of
 leaving them hanging in a collective; relaunching all of them resumes from the last complete
 checkpoint. A non-finite loss or gradient skips the update; `max_consecutive_nonfinite` of them
 in a row stop the run with a checkpoint of the last good state.
@@ -31,10 +31,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import shutil
-import sys
-import tempfile
-import threading
 import time
 
 import jax
@@ -61,6 +57,7 @@ from dapo_jax import (
     rollout,
     rollout_correction,
     sharding,
+    step_metrics,
     train_step,
 )
 from dapo_jax.config_checks import check_config, check_workdir, profile_steps
@@ -68,92 +65,6 @@ from dapo_jax.records import TrainBatch
 from dapo_jax.run import ConfigError, Run, build, make_filter
 
 PREEMPTED = preemption.PREEMPTED  # exit status of a preempted run (EX_TEMPFAIL: requeue me)
-
-
-def _data_metrics(batch: TrainBatch) -> dict:
-    """Score, reward, accuracy, length and truncation of the rows trained on (after the filter)."""
-    v = batch.valid_B
-    if not v.any():
-        return {}
-    rows = batch.rows.rows(v)
-    return {
-        "data/score_mean": float(rows.score_B.mean()),
-        "data/reward_mean": float(rows.reward_B.mean()),
-        "data/acc_mean": float(rows.acc_B.mean()),
-        "data/response_length_mean": float(rows.length_B.mean()),
-        "data/response_length_max": float(rows.length_B.max()),
-        "data/response_length_min": float(rows.length_B.min()),
-        "data/truncated_fraction": float(rows.truncated_B.mean()),
-    }
-
-
-def _logp_agreement(
-    sampler_logp_BxN: np.ndarray,
-    prompt_len: int,
-    old_logp_BxT: np.ndarray,
-    loss_mask_BxT: np.ndarray,
-    carried_B: np.ndarray,
-) -> dict:
-    """|log pi_sampler - log pi_old| over the trained response tokens (the columns of T after
-    the `prompt_len` prompt ones): the importance ratio of the first update is exactly 1 only if
-    the sampler and the trainer agree (docs/dapo_spec.md section 2). Rows of `carried_B` (groups
-    carried over from the last step, sampled under the policy before its update) are measured
-    apart: their difference is the update's, not a mismatch."""
-    mask_BxN = loss_mask_BxT[:, prompt_len:]
-    diff_BxN = np.abs(sampler_logp_BxN[:, : mask_BxN.shape[1]] - old_logp_BxT[:, prompt_len:])
-    out = {}
-    fresh = diff_BxN[~carried_B][mask_BxN[~carried_B]]
-    if fresh.size:
-        out.update(
-            {"rollout/logp_diff_mean": float(fresh.mean()), "rollout/logp_diff_max": float(fresh.max())}
-        )
-    carried = diff_BxN[carried_B][mask_BxN[carried_B]]
-    if carried.size:
-        out["rollout/carried_logp_diff_mean"] = float(carried.mean())
-    return out
-
-
-def _peer_failure(error: Exception, run: Run) -> None:
-    """A collective of a multi-process run failed: most likely another process died. Says so,
-    waits for JAX's coordination service to name the dead process(es) (it declares a process
-    dead after --heartbeat_timeout seconds without a heartbeat, and may itself end this process
-    first with "The following tasks are unhealthy ... : N"), then exits with status 1 without
-    running the shutdown barrier that would wait for the dead one."""
-    from jax._src import distributed  # the client of jax.distributed.initialize
-
-    me, n = jax.process_index(), jax.process_count()
-    if preemption.noticed():  # a peer has left for the preemption: this process's exit follows
-        threading.Event().wait()
-    reason = " ".join(str(error).split())[:300]
-    print(
-        f"error: process {me}: a collective with the other processes failed ({reason}); "
-        f"waiting up to --heartbeat_timeout for the coordination service to name the dead "
-        "process",
-        file=sys.stderr,
-        flush=True,
-    )
-    try:
-        run.scorer.close()
-    except Exception:  # noqa: BLE001 - exiting anyway; the reward workers end with this process
-        pass
-    try:
-        alive = distributed.global_state.client.get_live_nodes(list(range(n)))
-        dead = sorted(set(range(n)) - set(alive))
-        print(
-            f"error: process {me}: process(es) {', '.join(map(str, dead)) or 'none'} of {n} "
-            "stopped sending heartbeats (died); relaunch all processes: the run resumes from "
-            "the last complete checkpoint",
-            file=sys.stderr,
-            flush=True,
-        )
-    except Exception as e:  # noqa: BLE001 - the service itself may be gone (process 0 died)
-        print(
-            f"error: process {me}: the coordination service (process 0) is unreachable "
-            f"({type(e).__name__}): process 0 died; relaunch all processes",
-            file=sys.stderr,
-            flush=True,
-        )
-    os._exit(1)
 
 
 def evaluate(run: Run, params, step: int, sample_rows: list | None = None, ks=None) -> dict:
@@ -178,30 +89,19 @@ def evaluate(run: Run, params, step: int, sample_rows: list | None = None, ks=No
 
 
 def export_hf(run: Run, params, out: str | None = None, dtype: str | None = None) -> str:
-    """`params` as a Hugging Face model directory (weights, config, tokenizer), by default the
-    workdir's `export/` in `export.dtype`; also `python -m dapo_jax.export`'s. Every process
-    writes its own safetensors shards straight into `out`, local or a URL (`hf_save`); process 0
-    then adds the tokenizer and generation_config.json and checks the folder as a load would."""
+    """`params` as a Hugging Face model directory (`hf_save.save_model`), by default the
+    workdir's `export/` in `export.dtype`; also `python -m dapo_jax.export`'s."""
+    c = run.config
     out = out or str(paths.run_path(run.workdir) / "export")
-    dtype = dtype or run.config.export.dtype
-    hf_save.save_params(
-        params, run.hf_config, out, dtype=dtype, max_shard_bytes=run.config.export.max_shard_bytes
+    return hf_save.save_model(
+        params,
+        run.hf_config,
+        run.tokenizer,
+        c.model.path,
+        out,
+        dtype or c.export.dtype,
+        c.export.max_shard_bytes,
     )
-    if jax.process_index() != 0:
-        return out
-    gen = os.path.join(run.config.model.path, "generation_config.json")
-    if not paths.is_url(out):
-        run.tokenizer.save_pretrained(out)
-        if os.path.isfile(gen):
-            shutil.copy(gen, out)
-        hf_io.check_model_folder(out)  # what a load of the export checks, before anyone loads it
-        return out
-    with tempfile.TemporaryDirectory(prefix="dapo-export-") as local:  # the small files only
-        run.tokenizer.save_pretrained(local)
-        if os.path.isfile(gen):
-            shutil.copy(gen, local)
-        paths.upload_tree(local, out)
-    return out
 
 
 @contextlib.contextmanager
@@ -320,7 +220,7 @@ def _step(
     updates = jax.device_get(updates)
     t_train = time.time() - t1
     if recompute:
-        agreement = _logp_agreement(
+        agreement = step_metrics.logp_agreement(
             batch.rows.logp_BxN,
             a.prompt_width,
             packing.unpack(a.layout, sharding.to_host(old_logp_BxT)),
@@ -330,8 +230,14 @@ def _step(
     else:  # the first update's params are the sampler's: its rows check the sampler
         agreement = {f"rollout/{k}": float(updates[0][k]) for k in ("logp_diff_mean", "logp_diff_max")}
     seconds = {"rollout": t_rollout, "train": t_train, "step": time.time() - t0}
-    out = {**_data_metrics(batch), **filter_stats, **agreement, **correction, **_actor_metrics(updates)}
-    return state, {**out, **_speed_metrics(run, batch, host, seconds)}, batch
+    out = {
+        **step_metrics.data_metrics(batch),
+        **filter_stats,
+        **agreement,
+        **correction,
+        **step_metrics.actor_metrics(updates),
+    }
+    return state, {**out, **step_metrics.speed_metrics(batch, host, seconds, run.scorer.totals)}, batch
 
 
 _correct = jax.jit(rollout_correction.correct, static_argnums=0)
@@ -351,29 +257,6 @@ def _corrected(run: Run, sampler_logp, device: train_step.Rollout, old_logp_BxT)
     weight_BxT = corr.is_weight_BxT if cfg.rollout_is else None
     metrics = {k: float(v) for k, v in jax.device_get(corr.metrics).items()}
     return device._replace(loss_mask_BxT=corr.loss_mask_BxT), weight_BxT, metrics
-
-
-def _speed_metrics(run: Run, batch: TrainBatch, host: train_step.Rollout, seconds: dict) -> dict:
-    """timing/* (the step's `seconds` by phase), throughput/* and the scorer's running totals."""
-    return {
-        **{f"timing/{phase}_s": t for phase, t in seconds.items()},
-        "throughput/sample_tokens_per_s": float(batch.rows.length_B.sum()) / max(seconds["rollout"], 1e-9),
-        "throughput/train_tokens_per_s": float(host.mask_BxT.sum()) / max(seconds["train"], 1e-9),
-        "reward/errors_total": run.scorer.totals["n_error"],
-        "reward/timeouts_total": run.scorer.totals["n_timeout"],
-    }
-
-
-def _actor_metrics(updates: list[dict]) -> dict:
-    """actor/*: the step's updates' metrics averaged over its mini-batches (not logp_diff_*: the
-    sampler check reads the first update's) and actor/skipped_updates, their count of skips."""
-    out = {
-        f"actor/{k}": float(np.mean([u[k] for u in updates]))
-        for k in updates[0]
-        if not k.startswith("logp_diff")
-    }
-    out["actor/skipped_updates"] = int(sum(u["skipped"] for u in updates))
-    return out
 
 
 def completion_records(
@@ -407,7 +290,7 @@ def train(c: ml_collections.ConfigDict, workdir: str, checkpoint_dir: str | None
             return _train(run, ckpt)
         except jax.errors.JaxRuntimeError as e:
             if jax.process_count() > 1:
-                _peer_failure(e, run)
+                hosts.peer_failure(e, run.scorer.close)
             raise
         finally:
             ckpt.close()

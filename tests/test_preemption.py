@@ -11,13 +11,13 @@ import types
 import pytest
 from jax._src import distributed
 
-from dapo_jax import preemption, train
+from dapo_jax import hosts, preemption
 
 
 @pytest.fixture
 def two_processes(monkeypatch):
-    monkeypatch.setattr(train.jax, "process_count", lambda: 2)
-    monkeypatch.setattr(train.jax, "process_index", lambda: 0)
+    monkeypatch.setattr(hosts.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(hosts.jax, "process_index", lambda: 0)
 
 
 class _Store:
@@ -122,11 +122,11 @@ def _exit(code):
 def test_a_failed_collective_names_the_dead_process(two_processes, monkeypatch, capsys):
     client = types.SimpleNamespace(get_live_nodes=lambda ids: {0: 123})  # 1 stopped beating
     monkeypatch.setattr(distributed.global_state, "client", client)
-    monkeypatch.setattr(train.os, "_exit", _exit)
+    monkeypatch.setattr(hosts.os, "_exit", _exit)
     closed = []
     run = types.SimpleNamespace(scorer=types.SimpleNamespace(close=lambda: closed.append(1)))
     with pytest.raises(_Exit, match="1"):
-        train._peer_failure(RuntimeError("Gloo AllGather failed: Connection reset by peer"), run)
+        hosts.peer_failure(RuntimeError("Gloo AllGather failed: Connection reset by peer"), run.scorer.close)
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith(
         "error: process 0: a collective with the other processes failed "
@@ -140,10 +140,10 @@ def test_an_unreachable_coordinator_is_process_0(two_processes, monkeypatch, cap
     def unreachable(ids):
         raise RuntimeError("UNAVAILABLE: Failed to send RPC to coordination service")
 
-    monkeypatch.setattr(train.jax, "process_index", lambda: 1)
+    monkeypatch.setattr(hosts.jax, "process_index", lambda: 1)
     monkeypatch.setattr(distributed.global_state, "client", types.SimpleNamespace(get_live_nodes=unreachable))
-    monkeypatch.setattr(train.os, "_exit", _exit)
+    monkeypatch.setattr(hosts.os, "_exit", _exit)
     run = types.SimpleNamespace(scorer=types.SimpleNamespace(close=lambda: None))
     with pytest.raises(_Exit):
-        train._peer_failure(RuntimeError("Connection closed by peer"), run)
+        hosts.peer_failure(RuntimeError("Connection closed by peer"), run.scorer.close)
     assert "process 0 died" in capsys.readouterr().err.splitlines()[-1]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from configs import dapo
-from dapo_jax import assembly, checkpoint, metrics, rollout, train
+from dapo_jax import assembly, checkpoint, metrics, rollout, step_metrics, train
 from dapo_jax.records import TrainBatch
 
 from conftest import WALL_CLOCK, small, small_flags
@@ -234,11 +234,11 @@ def test_logp_agreement_measures_carried_groups_apart():
         axis=1,
     )
     carried_B = np.array([True, True, False, False])
-    got = train._logp_agreement(sampler_logp, 2, old_logp, loss_mask, carried_B)
+    got = step_metrics.logp_agreement(sampler_logp, 2, old_logp, loss_mask, carried_B)
     assert got == pytest.approx(
         {"rollout/logp_diff_mean": 0.02, "rollout/logp_diff_max": 0.03, "rollout/carried_logp_diff_mean": 0.5}
     )
-    fresh_only = train._logp_agreement(sampler_logp, 2, old_logp, loss_mask, np.zeros(4, bool))
+    fresh_only = step_metrics.logp_agreement(sampler_logp, 2, old_logp, loss_mask, np.zeros(4, bool))
     assert fresh_only["rollout/logp_diff_max"] == pytest.approx(0.5)
     assert "rollout/carried_logp_diff_mean" not in fresh_only
 
@@ -285,7 +285,7 @@ def test_data_metrics_count_valid_rows_only():
     batch = TrainBatch(
         valid.with_zero_rows(2), valid_B=np.array([True, True, False, False]), carried_B=np.zeros(4, bool)
     )
-    assert train._data_metrics(batch) == {
+    assert step_metrics.data_metrics(batch) == {
         "data/score_mean": 0.0,
         "data/reward_mean": -0.25,
         "data/acc_mean": 0.5,
