@@ -45,7 +45,7 @@ from ml_collections import config_flags
 from dapo_jax import (
     config_checks,
     engine_cost,
-    hf_io,
+    hf_model_config,
     model,
     packing,
     programs,
@@ -173,7 +173,7 @@ def model_config(c) -> model.ModelConfig:
     """The run's ModelConfig: the model folder's config.json, or `KNOWN_MODELS` by folder name."""
     path = os.path.join(c.model.path, "config.json")
     if os.path.isfile(path):
-        hf = hf_io.read_hf_config(c.model.path)
+        hf = hf_model_config.read_hf_config(c.model.path)
     elif os.path.basename(c.model.path.rstrip("/")) in KNOWN_MODELS:
         hf = KNOWN_MODELS[os.path.basename(c.model.path.rstrip("/"))]
     else:
@@ -181,7 +181,7 @@ def model_config(c) -> model.ModelConfig:
             f"model.path {c.model.path!r} has no config.json here and is not one "
             f"of {sorted(KNOWN_MODELS)}: copy its config.json there"
         )
-    return hf_io.config_from_hf(hf, source=path, **run.model_numerics(c))
+    return hf_model_config.config_from_hf(hf, source=path, **run.model_numerics(c))
 
 
 def model_flops(cfg: model.ModelConfig, tokens: int, context: float) -> float:

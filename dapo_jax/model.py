@@ -35,7 +35,7 @@ _NEG_INF = -1e30  # finite, so that a fully masked (padding) query row stays NaN
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture and numerics; `hf_io.config_from_hf` builds it from a config.json."""
+    """Architecture and numerics; `hf_model_config.config_from_hf` builds it from a config.json."""
 
     vocab_size: int
     hidden_size: int

@@ -38,10 +38,10 @@ import ml_dtypes
 import numpy as np
 from absl import app, flags
 
-from dapo_jax import hf_io
+from dapo_jax import hf_io, hf_model_config
 from dapo_jax.errors import ConfigError, ModelFolderError
 
-# GGUF general.architecture -> the transformers class that `hf_io.FAMILIES` loads.
+# GGUF general.architecture -> the transformers class that `hf_model_config.FAMILIES` loads.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # GGUF tensors that no parameter reads: llama3 RoPE's frequency factors, computed from config.json.
 UNUSED_GGUF_TENSORS = ("rope_freqs.weight",)
@@ -207,7 +207,7 @@ def convert(gguf_path: str, out_dir: str, dtype: str = "float32") -> Conversion:
         _write(tmp, tokenizer, tensors, hf, generation_config, dtype)
         _, config = hf_io.check_model_folder(tmp)
         vocab = _check_tokenizer(tokenizer, tmp)
-        hf_io.check_vocab(config, hf_io.load_tokenizer(tmp), tmp)
+        hf_model_config.check_vocab(config, hf_io.load_tokenizer(tmp), tmp)
         if os.path.isdir(out_dir):
             os.rmdir(out_dir)  # empty, checked above
         os.rename(tmp, out_dir)

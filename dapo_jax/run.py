@@ -18,6 +18,7 @@ from dapo_jax import (
     data,
     dynamic_sampling,
     hf_io,
+    hf_model_config,
     host_memory,
     hosts,
     model,
@@ -141,7 +142,7 @@ def build(c: ml_collections.ConfigDict, workdir: str) -> Run:
             f"architecture and sizes of model.path {c.model.path!r}"
         )
     tokenizer = hf_io.load_tokenizer(c.model.tokenizer_path or c.model.path)
-    hf_io.check_vocab(mcfg, tokenizer, os.path.join(c.model.path, "config.json"))
+    hf_model_config.check_vocab(mcfg, tokenizer, os.path.join(c.model.path, "config.json"))
     eos = tuple(sorted({tokenizer.eos_token_id, *_ids(hf_config.get("eos_token_id"))}))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     p = programs.build(c, mcfg, eos, pad)

@@ -78,10 +78,10 @@ def build_model(out: str, seed: int) -> dict:
     import jax  # pylint: disable=import-outside-toplevel
     import make_tiny_model  # pylint: disable=import-outside-toplevel
 
-    from dapo_jax import hf_io, hf_save, model, sharding  # pylint: disable=import-outside-toplevel
+    from dapo_jax import hf_model_config, hf_save, model, sharding  # pylint: disable=import-outside-toplevel
 
     hf_config = workload.HF_CONFIG
-    m = model.Transformer(hf_io.config_from_hf(hf_config, dtype="float32"))
+    m = model.Transformer(hf_model_config.config_from_hf(hf_config, dtype="float32"))
     mesh = sharding.make_mesh({"data": -1}, devices=jax.devices()[:1])
     hf_save.save_params(sharding.init_params(m, mesh, jax.random.key(seed)), hf_config, out)
     make_tiny_model.build_tokenizer().save_pretrained(out)

@@ -32,7 +32,7 @@ import time
 import jax
 import numpy as np
 
-from dapo_jax import engine, hf_io, model, sampler, sharding
+from dapo_jax import engine, hf_model_config, model, sampler, sharding
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
 import workload  # noqa: E402
@@ -155,7 +155,7 @@ def main():
     args = _args()
     sharding.use_cpu_devices(max(args.devices))
     vocab = args.vocab or workload.HF_CONFIG["vocab_size"]
-    config = hf_io.config_from_hf({**workload.HF_CONFIG, "vocab_size": vocab}, dtype="float32")
+    config = hf_model_config.config_from_hf({**workload.HF_CONFIG, "vocab_size": vocab}, dtype="float32")
     tokens, mask = prompts(args.prompts, args.prompt, vocab)
     cfg = sampler.SamplingConfig(
         max_new_tokens=args.new,

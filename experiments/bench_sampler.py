@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import transformers
 
-from dapo_jax import hf_io, model, sampler, sharding
+from dapo_jax import hf_io, hf_model_config, model, sampler, sharding
 
 QWEN2_TINY = dict(
     vocab_size=4096,
@@ -133,7 +133,7 @@ def main():
     torch.manual_seed(0)
     model_dir = tempfile.mkdtemp()
     transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**QWEN2_TINY)).save_pretrained(model_dir)
-    cfg = hf_io.config_from_hf(hf_io.read_hf_config(model_dir), dtype="float32")
+    cfg = hf_model_config.config_from_hf(hf_model_config.read_hf_config(model_dir), dtype="float32")
     m = model.Transformer(cfg)
     mesh = sharding.make_mesh({"data": -1}, devices=jax.devices()[:1])
     params = hf_io.load_params(model_dir, m, mesh)

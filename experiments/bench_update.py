@@ -43,13 +43,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dapo_jax import hf_io, logprobs, model, packing, sharding
+from dapo_jax import hf_model_config, logprobs, model, packing, sharding
 from dapo_jax import train_step as ts
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
 import workload  # noqa: E402
 
-CFG = hf_io.config_from_hf(workload.HF_CONFIG, dtype="float32")
+CFG = hf_model_config.config_from_hf(workload.HF_CONFIG, dtype="float32")
 ROWS, PROMPT = 64, 32
 RESPONSE = {"uniform": 64, "longtail": 512}
 VARIANTS = {  # name: (old_logp, dtype, micro-batches, packed rows per micro-batch (0: padded))

@@ -29,7 +29,7 @@ import tokenizers
 import transformers
 from tokenizers import decoders, models
 
-from dapo_jax import hf_io, hf_save, model, sft, sharding, synthetic
+from dapo_jax import hf_io, hf_model_config, hf_save, model, sft, sharding, synthetic
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
 import workload  # noqa: E402
@@ -120,7 +120,7 @@ def main():
     rows = synthetic.generate(50_000, seed=1000 + args.seed, exclude=test_problems)
     with_direct_answers(rows, args.direct_fraction, seed=args.seed)
 
-    cfg = hf_io.config_from_hf(HF_CONFIG, dtype="float32")
+    cfg = hf_model_config.config_from_hf(HF_CONFIG, dtype="float32")
     m = model.Transformer(cfg)
     mesh = sharding.make_mesh({"data": -1}, devices=jax.devices()[:1])
     params = (

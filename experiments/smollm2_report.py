@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-from dapo_jax import math_answers, plot
+from dapo_jax import hf_model_config, math_answers, plot
 
 
 def load_samples(eval_dir: str) -> list[dict]:
@@ -202,10 +202,9 @@ def main(argv=None):
 def _speed(run: str, variant: str) -> dict:
     """`step_split` of the run's metrics with the config's sizes, beside `roofline`."""
     from configs import dapo  # noqa: PLC0415 - run from the repository root
-    from dapo_jax import hf_io  # noqa: PLC0415
 
     c = dapo.get_config(variant)
-    cfg = hf_io.config_from_hf(hf_io.read_hf_config(c.model.path))
+    cfg = hf_model_config.config_from_hf(hf_model_config.read_hf_config(c.model.path))
     with open(os.path.join(run, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     split = step_split(

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from dapo_jax import hf_io
+from dapo_jax import hf_model_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "experiments"))
@@ -31,7 +31,7 @@ UNIT = {  # every size 1: a layer has q 1+1, k and v 2 x (1+1), o 1, MLP 3, norm
 def test_the_workload_model_has_the_parameters_dapo_jax_counts():
     hf = workload.HF_CONFIG
     assert bench_peers.num_params(hf) == 1_018_496
-    assert bench_peers.num_params(hf) == hf_io.config_from_hf(hf, dtype="float32").num_params()
+    assert bench_peers.num_params(hf) == hf_model_config.config_from_hf(hf, dtype="float32").num_params()
 
 
 def test_step_flops_by_hand():

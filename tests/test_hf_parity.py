@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from dapo_jax import hf_io, hf_save, model, sharding
+from dapo_jax import hf_io, hf_model_config, hf_save, model, sharding
 
 from conftest import build_hf_model
 
@@ -38,7 +38,7 @@ def _hf_logits(model_dir, tokens, mask):
 
 
 def _our_logits(model_dir, tokens, mask):
-    cfg = hf_io.config_from_hf(hf_io.read_hf_config(model_dir), dtype="float32")
+    cfg = hf_model_config.config_from_hf(hf_model_config.read_hf_config(model_dir), dtype="float32")
     m = model.Transformer(cfg)
     mesh = sharding.make_mesh({"data": -1}, devices=jax.devices()[:1])
     params = hf_io.load_params(model_dir, m, mesh)
@@ -86,9 +86,9 @@ def test_round_trip_loads_in_transformers(qwen2_dir, tmp_path):
     ours, params = _our_logits(qwen2_dir, tokens, mask)
     out = str(tmp_path / "exported")
     params = jax.tree.map(lambda x: x + 0.01, params)  # a changed model, so nothing is copied by chance
-    hf_save.save_params(params, hf_io.read_hf_config(qwen2_dir), out, max_shard_bytes=20_000)
+    hf_save.save_params(params, hf_model_config.read_hf_config(qwen2_dir), out, max_shard_bytes=20_000)
     assert os.path.isfile(os.path.join(out, "model.safetensors.index.json"))  # sharded on save
-    cfg = hf_io.config_from_hf(hf_io.read_hf_config(out), dtype="float32")
+    cfg = hf_model_config.config_from_hf(hf_model_config.read_hf_config(out), dtype="float32")
     expected = np.asarray(model.forward(model.Transformer(cfg), params, tokens, mask))
     assert not np.allclose(expected[mask], ours[mask], atol=1e-3)
     np.testing.assert_allclose(_hf_logits(out, tokens, mask)[mask], expected[mask], atol=1e-4, rtol=1e-4)
@@ -105,11 +105,13 @@ def test_remat_changes_memory_not_maths(qwen2_dir):
     tokens_BxT = rng.integers(1, 96, size=(2, 64)).astype(np.int32)
     mask_BxT = np.ones((2, 64), bool)
     mask_BxT[1, :20] = False  # left padding
-    hf = hf_io.read_hf_config(qwen2_dir)
+    hf = hf_model_config.read_hf_config(qwen2_dir)
     mesh = sharding.make_mesh({"data": -1}, devices=jax.devices()[:1])
     temp_bytes, grads = [], []
     for remat in (False, True):
-        m = model.Transformer(hf_io.config_from_hf(hf, dtype="float32", remat=remat, scan_layers=True))
+        m = model.Transformer(
+            hf_model_config.config_from_hf(hf, dtype="float32", remat=remat, scan_layers=True)
+        )
         params = hf_io.load_params(qwen2_dir, m, mesh)
         loss = lambda p, m=m: jnp.sum(
             jnp.where(mask_BxT[..., None], model.forward(m, p, tokens_BxT, mask_BxT), 0) ** 2
@@ -127,23 +129,23 @@ def test_missing_checkpoint_file_names_it(tmp_path):
     with pytest.raises(hf_io.ModelFolderError, match="model.safetensors"):
         hf_io.checkpoint_tensors(str(tmp_path))
     with pytest.raises(hf_io.ModelFolderError, match="config.json"):
-        hf_io.read_hf_config(str(tmp_path / "nowhere"))
+        hf_model_config.read_hf_config(str(tmp_path / "nowhere"))
 
 
 def test_unsupported_architecture_is_named():
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
-        hf_io.config_from_hf({"architectures": ["GPT2LMHeadModel"]})
+        hf_model_config.config_from_hf({"architectures": ["GPT2LMHeadModel"]})
 
 
 def test_shape_mismatch_names_file_and_tensor(qwen2_dir, tmp_path):
-    cfg = hf_io.read_hf_config(qwen2_dir)
+    cfg = hf_model_config.read_hf_config(qwen2_dir)
     cfg["intermediate_size"] = 128
     bad = tmp_path / "bad"
     bad.mkdir()
     os.symlink(os.path.join(qwen2_dir, "model.safetensors"), bad / "model.safetensors")
     with open(bad / "config.json", "w") as f:
         json.dump(cfg, f)
-    m = model.Transformer(hf_io.config_from_hf(cfg, dtype="float32"))
+    m = model.Transformer(hf_model_config.config_from_hf(cfg, dtype="float32"))
     mesh = sharding.make_mesh({"data": -1}, devices=jax.devices()[:1])
     with pytest.raises(
         ValueError, match=r"model\.safetensors: tensor model\.layers\.0\.mlp\.\w+_proj\.weight"
@@ -158,8 +160,10 @@ def test_missing_tensor_is_named(qwen2_dir, tmp_path):
     del tensors["model.layers.1.self_attn.k_proj.bias"]
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with open(tmp_path / "config.json", "w") as f:
-        json.dump(hf_io.read_hf_config(qwen2_dir), f)
-    m = model.Transformer(hf_io.config_from_hf(hf_io.read_hf_config(qwen2_dir), dtype="float32"))
+        json.dump(hf_model_config.read_hf_config(qwen2_dir), f)
+    m = model.Transformer(
+        hf_model_config.config_from_hf(hf_model_config.read_hf_config(qwen2_dir), dtype="float32")
+    )
     mesh = sharding.make_mesh({"data": -1}, devices=jax.devices()[:1])
     with pytest.raises(hf_io.ModelFolderError, match=r"model\.layers\.1\.self_attn\.k_proj\.bias"):
         hf_io.load_params(str(tmp_path), m, mesh)

@@ -8,16 +8,18 @@ import os
 import numpy as np
 from safetensors.numpy import load_file
 
-from dapo_jax import hf_io, hf_save, model, sharding
+from dapo_jax import hf_io, hf_model_config, hf_save, model, sharding
 
 
 def _params(model_dir):
-    m = model.Transformer(hf_io.config_from_hf(hf_io.read_hf_config(model_dir), dtype="float32"))
+    m = model.Transformer(
+        hf_model_config.config_from_hf(hf_model_config.read_hf_config(model_dir), dtype="float32")
+    )
     return hf_io.load_params(model_dir, m, sharding.make_mesh({"fsdp": -1}))
 
 
 def test_three_processes_write_the_folder_of_one(qwen2_dir, tmp_path, monkeypatch):
-    params, hf_config = _params(qwen2_dir), hf_io.read_hf_config(qwen2_dir)
+    params, hf_config = _params(qwen2_dir), hf_model_config.read_hf_config(qwen2_dir)
     one, three = tmp_path / "one", tmp_path / "three"
     hf_save.save_params(params, hf_config, str(one), dtype="bfloat16", max_shard_bytes=40_000)
     monkeypatch.setattr(hf_save.multihost_utils, "sync_global_devices", lambda name: None)
@@ -41,7 +43,7 @@ def test_three_processes_write_the_folder_of_one(qwen2_dir, tmp_path, monkeypatc
 
 def test_the_folder_holds_every_parameter_under_its_hf_name(qwen2_dir, tmp_path):
     """An independent reading: every tensor of the source folder, in the index and equal."""
-    params, hf_config = _params(qwen2_dir), hf_io.read_hf_config(qwen2_dir)
+    params, hf_config = _params(qwen2_dir), hf_model_config.read_hf_config(qwen2_dir)
     hf_save.save_params(params, hf_config, str(tmp_path), max_shard_bytes=40_000)
     index = json.loads((tmp_path / hf_io.INDEX_FILE).read_text())
     source = load_file(os.path.join(qwen2_dir, "model.safetensors"))

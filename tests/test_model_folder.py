@@ -14,7 +14,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from configs import dapo
-from dapo_jax import config_checks, hf_io, model, run, safetensors_header, sharding
+from dapo_jax import config_checks, hf_io, hf_model_config, model, run, safetensors_header, sharding
 from dapo_jax.errors import ConfigError
 
 from conftest import small, small_flags
@@ -168,11 +168,11 @@ def test_missing_tokenizer_names_the_key(tmp_path):
 
 
 def test_vocab_smaller_than_the_tokenizer_is_named():
-    cfg = hf_io.config_from_hf({**hf_io.read_hf_config(TINY), "vocab_size": 98})
+    cfg = hf_model_config.config_from_hf({**hf_model_config.read_hf_config(TINY), "vocab_size": 98})
     with pytest.raises(
         hf_io.ModelFolderError, match="config.json: vocab_size 98 is smaller than the tokenizer's 99 tokens"
     ):
-        hf_io.check_vocab(cfg, hf_io.load_tokenizer(TINY), "config.json")
+        hf_model_config.check_vocab(cfg, hf_io.load_tokenizer(TINY), "config.json")
 
 
 def test_reference_of_another_architecture_is_refused(qwen2_dir, tmp_path):
@@ -229,7 +229,7 @@ QWEN2 = {
 )
 def test_config_is_checked_key_by_key(change, message):
     with pytest.raises(hf_io.ModelFolderError) as e:
-        hf_io.config_from_hf({**QWEN2, **change}, source="m/config.json")
+        hf_model_config.config_from_hf({**QWEN2, **change}, source="m/config.json")
     assert str(e.value).startswith("m/config.json: ") and message in str(e.value)
 
 

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from dapo_jax import hf_io, metrics, model, sampler, sharding
+from dapo_jax import hf_io, hf_model_config, metrics, model, sampler, sharding
 
 pytestmark = pytest.mark.slow  # processes that start, compile and talk over gloo
 
@@ -44,7 +44,9 @@ def _prompts():
 
 
 def _rollouts(model_dir: str, mesh) -> sampler.Samples:
-    m = model.Transformer(hf_io.config_from_hf(hf_io.read_hf_config(model_dir), dtype="float32"))
+    m = model.Transformer(
+        hf_model_config.config_from_hf(hf_model_config.read_hf_config(model_dir), dtype="float32")
+    )
     params = hf_io.load_params(model_dir, m, mesh)
     out = sampler.Sampler(m, _config(), mesh).generate(params, *_prompts(), 2, jax.random.key(7))
     return jax.tree.map(sharding.to_host, out)

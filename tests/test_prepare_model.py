@@ -18,7 +18,7 @@ import transformers
 from safetensors.numpy import load_file
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from dapo_jax import hf_io, model, prepare_model, safetensors_header, sharding
+from dapo_jax import hf_io, hf_model_config, model, prepare_model, safetensors_header, sharding
 from dapo_jax.errors import ConfigError, ModelFolderError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -155,7 +155,7 @@ def test_logits_equal_transformers_gguf_load(converted):
     mask = np.ones_like(tokens, bool)
     with torch.no_grad():
         ref = _gguf_model(path)(input_ids=torch.tensor(tokens, dtype=torch.long)).logits.numpy()
-    cfg = hf_io.config_from_hf(hf_io.read_hf_config(result.out_dir), dtype="float32")
+    cfg = hf_model_config.config_from_hf(hf_model_config.read_hf_config(result.out_dir), dtype="float32")
     m = model.Transformer(cfg)
     params = hf_io.load_params(result.out_dir, m, sharding.make_mesh({"data": -1}, devices=jax.devices()[:1]))
     ours = np.asarray(model.forward(m, params, jnp.asarray(tokens), jnp.asarray(mask)))

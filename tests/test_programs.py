@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from configs import dapo
-from dapo_jax import config_checks, hf_io, model, overrides, programs, sharding
+from dapo_jax import config_checks, hf_io, hf_model_config, model, overrides, programs, sharding
 from dapo_jax.errors import ConfigError
 
 
@@ -16,7 +16,7 @@ def _tiny(**keys):
 
 
 def _model_config(qwen2_dir, dtype="float32"):
-    return hf_io.config_from_hf(hf_io.read_hf_config(qwen2_dir), dtype=dtype)
+    return hf_model_config.config_from_hf(hf_model_config.read_hf_config(qwen2_dir), dtype=dtype)
 
 
 def test_the_samplers_compute_dtype_is_set_apart_from_the_trainers():

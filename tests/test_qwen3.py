@@ -13,7 +13,7 @@ from safetensors import safe_open
 from test_hf_parity import _hf_logits, _left_padded_batch, _our_logits
 from test_sampler import _config, _hf_greedy, _prompts
 
-from dapo_jax import hf_io, hf_save, logprobs, model, sampler, sharding
+from dapo_jax import hf_io, hf_model_config, hf_save, logprobs, model, sampler, sharding
 from dapo_jax import train_step as ts
 
 
@@ -29,7 +29,7 @@ def test_qwen3_logits_match_transformers_with_left_padding(qwen3_dir):
     assert attn["q_proj"]["kernel"].shape == (64, 4 * 24)  # head_dim 24, not 64 / 4
     assert attn["q_norm"]["scale"].shape == attn["k_norm"]["scale"].shape == (24,)
     assert "lm_head" not in params and "bias" not in attn["q_proj"]
-    cfg = hf_io.config_from_hf(hf_io.read_hf_config(qwen3_dir))
+    cfg = hf_model_config.config_from_hf(hf_model_config.read_hf_config(qwen3_dir))
     assert sum(x.size for x in jax.tree.leaves(params)) == cfg.num_params()
     ref = _hf_logits(qwen3_dir, tokens, mask)
     np.testing.assert_allclose(ours[mask], ref[mask], atol=1e-4, rtol=1e-4)
@@ -40,11 +40,11 @@ def test_qwen3_export_round_trips_through_transformers(qwen3_dir, tmp_path):
     ours, params = _our_logits(qwen3_dir, tokens, mask)
     params = jax.tree.map(lambda x: x + 0.01, params)  # a changed model: nothing copied by chance
     out = str(tmp_path / "exported")
-    hf_save.save_params(params, hf_io.read_hf_config(qwen3_dir), out)
+    hf_save.save_params(params, hf_model_config.read_hf_config(qwen3_dir), out)
     assert _names(out) == _names(qwen3_dir)  # the names transformers uses, q_norm / k_norm too
     with open(os.path.join(out, "config.json")) as f:
         assert json.load(f)["head_dim"] == 24
-    cfg = hf_io.config_from_hf(hf_io.read_hf_config(out), dtype="float32")
+    cfg = hf_model_config.config_from_hf(hf_model_config.read_hf_config(out), dtype="float32")
     expected = np.asarray(model.forward(model.Transformer(cfg), params, tokens, mask))
     assert not np.allclose(expected[mask], ours[mask], atol=1e-3)
     np.testing.assert_allclose(_hf_logits(out, tokens, mask)[mask], expected[mask], atol=1e-4, rtol=1e-4)
@@ -55,7 +55,9 @@ def test_qwen3_export_round_trips_through_transformers(qwen3_dir, tmp_path):
 # The fast tier's end-to-end smoke check: rollouts, the trainer's log-probs of them, one update.
 def test_qwen3_greedy_rollouts_and_a_train_step_on_a_sharded_mesh(qwen3_dir):
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    m = model.Transformer(hf_io.config_from_hf(hf_io.read_hf_config(qwen3_dir), dtype="float32"))
+    m = model.Transformer(
+        hf_model_config.config_from_hf(hf_model_config.read_hf_config(qwen3_dir), dtype="float32")
+    )
     params = hf_io.load_params(qwen3_dir, m, mesh)
     assert params["layers_1"]["self_attn"]["k_norm"]["scale"].sharding.spec == P(None)
 

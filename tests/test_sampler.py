@@ -10,14 +10,14 @@ import torch
 import transformers
 from jax.sharding import PartitionSpec as P
 
-from dapo_jax import hf_io, model, sampler, sharding
+from dapo_jax import hf_io, hf_model_config, model, sampler, sharding
 
 VOCAB = 96
 
 
 def _load(model_dir, mesh, **numerics):
-    hf = hf_io.read_hf_config(model_dir)
-    m = model.Transformer(hf_io.config_from_hf(hf, dtype="float32", **numerics))
+    hf = hf_model_config.read_hf_config(model_dir)
+    m = model.Transformer(hf_model_config.config_from_hf(hf, dtype="float32", **numerics))
     return m, hf_io.load_params(model_dir, m, mesh)
 
 

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
-from dapo_jax import hf_io, hf_save, logprobs, model, sampler, sharding, train_step
+from dapo_jax import hf_io, hf_model_config, hf_save, logprobs, model, sampler, sharding, train_step
 
 
 def _models(model_dir):
-    cfg = hf_io.config_from_hf(hf_io.read_hf_config(model_dir), dtype="float32")
+    cfg = hf_model_config.config_from_hf(hf_model_config.read_hf_config(model_dir), dtype="float32")
     return model.Transformer(cfg), model.Transformer(dataclasses.replace(cfg, scan_layers=True, remat=True))
 
 
@@ -67,7 +67,7 @@ def test_hf_folder_loads_stacked_and_round_trips(qwen2_dir, single, tmp_path):
     expected = model.stack_layers(params, unrolled.config.num_layers)
     jax.tree.map(np.testing.assert_array_equal, stacked, expected)
 
-    hf_save.save_params(stacked, hf_io.read_hf_config(qwen2_dir), str(tmp_path))
+    hf_save.save_params(stacked, hf_model_config.read_hf_config(qwen2_dir), str(tmp_path))
     again = hf_io.load_params(str(tmp_path), scanned, single)
     jax.tree.map(np.testing.assert_array_equal, again, stacked)
     flat_saved = traverse_util.flatten_dict(hf_io.load_params(str(tmp_path), unrolled, single))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from dapo_jax import hf_io, model, sharding
+from dapo_jax import hf_io, hf_model_config, model, sharding
 from dapo_jax.errors import ConfigError
 
 
@@ -45,7 +45,7 @@ def test_cpu_devices_split_the_host_before_jax_starts_and_yield_to_xla_flags():
 
 
 def test_sharded_forward_equals_single_device(qwen2_dir):
-    cfg = hf_io.config_from_hf(hf_io.read_hf_config(qwen2_dir), dtype="float32")
+    cfg = hf_model_config.config_from_hf(hf_model_config.read_hf_config(qwen2_dir), dtype="float32")
     m = model.Transformer(cfg)
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, cfg.vocab_size, size=(8, 12)).astype(np.int32)
