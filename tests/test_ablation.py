@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from dapo_jax import ablation, metrics
+from dapo_jax import ablation, ablation_report, metrics
 
 
 def test_run_summary_by_hand():
@@ -33,13 +33,13 @@ def test_run_summary_by_hand():
             "eval/avg@4": 0.55,
         },
     ]
-    s = ablation.run_summary(records, group_size=4)
+    s = ablation_report.run_summary(records, group_size=4)
     assert (s["before"], s["after"], s["generated"]) == (0.40, 0.55, 32)  # (3 + 5) x G
     assert s["clip_upper"] == pytest.approx(0.02) and s["truncated"] == 0.25
     assert (s["entropy"], s["length"]) == (0.7, 14)  # the last quarter: the last step
     assert s["evals"] == [(0, 0.40, 0), (2, 0.55, 32)]
-    assert ablation._first_reaching(s["evals"], 0.5) == (2, 32)
-    assert ablation._first_reaching(s["evals"], 0.6) is None
+    assert ablation_report._first_reaching(s["evals"], 0.5) == (2, 32)
+    assert ablation_report._first_reaching(s["evals"], 0.6) is None
 
 
 @pytest.mark.slow
@@ -73,7 +73,7 @@ def test_quick_study_runs_resumes_and_reports(tmp_path):
     assert set(lines) == set(ablation.load_config_file("configs/ablation.py").ROW_NAMES) | {
         ablation.SFT_CONTROL
     }
-    for name, *_ in ablation.FIGURES:
+    for name, *_ in ablation_report.FIGURES:
         assert os.path.getsize(os.path.join(out, name)) > 1000
 
 
