@@ -145,6 +145,31 @@ def denominators(mask_BxT, agg_mode: str, norm_const: float | None = None, segme
     return Denominators(jnp.maximum(loss, 1.0), jnp.maximum(tokens, 1.0))
 
 
+def clipped_surrogate(ratio_BxT, a_Bx1, eps_low: float, eps_high: float, clip_ratio_c: float | None):
+    """`(l_pg_BxT, dual_BxT)`, the clipped surrogate per token (PPO's, with Clip-Higher and the
+    dual clip) and where its dual clip binds:
+        L1 = -A_i r_{i,t};  L2 = -A_i clip(r_{i,t}, 1 - ε_low, 1 + ε_high);  Lc = max(L1, L2)
+        l_pg = min(Lc, -A_i c) where A_i < 0 and c is set (dual clip), else Lc."""
+    pg_BxT = jnp.maximum(-a_Bx1 * ratio_BxT, -a_Bx1 * jnp.clip(ratio_BxT, 1.0 - eps_low, 1.0 + eps_high))
+    if clip_ratio_c is None:
+        return pg_BxT, jnp.zeros_like(pg_BxT, bool)
+    dual_BxT = (a_Bx1 < 0) & (ratio_BxT > clip_ratio_c)
+    return jnp.where(a_Bx1 < 0, jnp.minimum(pg_BxT, -a_Bx1 * clip_ratio_c), pg_BxT), dual_BxT
+
+
+def _aggregations(on_BxT, agg_mode: str, denom: Denominators, segment_BxT):
+    """`(agg, token_mean)`: x_BxT -> sum_{i,t} w x / denom.loss, with w_{i,t} = m_{i,t} or (for
+    seq-mean-token-mean) m_{i,t} / sum_t m_{i,t}, and x_BxT -> sum_{i,t} m x / denom.tokens;
+    masked entries replaced by 0, never multiplied (NaN there cannot leak)."""
+    m_BxT = on_BxT.astype(jnp.float32)
+    w_BxT = m_BxT
+    if agg_mode == "seq-mean-token-mean":
+        w_BxT = m_BxT / jnp.maximum(sequence_loss_tokens(m_BxT, segment_BxT), 1.0)
+    agg = lambda x_BxT: jnp.sum(jnp.where(on_BxT, w_BxT * x_BxT, 0.0)) / denom.loss
+    token_mean = lambda x_BxT: jnp.sum(jnp.where(on_BxT, x_BxT, 0.0)) / denom.tokens
+    return agg, token_mean
+
+
 def policy_loss_sum(
     logp_BxT,
     old_logp_BxT,
@@ -160,9 +185,8 @@ def policy_loss_sum(
 ):
     """These rows' share of the mini-batch loss: sums over their tokens / the mini-batch's `denom`.
 
-    Per token, with r = exp(logp - old_logp) (log r clamped to ±20):
-        L1 = -A_i r_{i,t};  L2 = -A_i clip(r_{i,t}, 1 - ε_low, 1 + ε_high);  Lc = max(L1, L2)
-        l_pg = min(Lc, -A_i c) where A_i < 0 and c is set (dual clip), else Lc
+    Per token, with r = exp(logp - old_logp) (log r clamped to ±20) and l_pg the clipped
+    surrogate (`clipped_surrogate`):
         l = ρ_{i,t} l_pg + β KL_k3(pi_theta || pi_ref) - entropy_coef H
     with ρ_{i,t} = `is_weight_BxT`, constants (the mismatch correction's truncated importance
     weights pi_old / pi_sampler, `rollout_correction`; 1 without them), and ε_low, ε_high, c, β,
@@ -178,14 +202,8 @@ def policy_loss_sum(
     fractions, approx_kl_old (k3 of KL(pi_old || pi_theta): r - 1 - log r), token_prob (exp(logp)),
     kl_ref when `ref_logp_BxT` is given, entropy when `entropy_BxT` is given.
     """
-    eps_low, eps_high, clip_ratio_c = cfg.eps_low, cfg.eps_high, cfg.clip_ratio_c
-    beta, entropy_coef = cfg.beta, cfg.entropy_coef
-    if beta and ref_logp_BxT is None:
-        raise ValueError(f"beta = {beta} needs ref_logp_BxT")
-    if entropy_coef and entropy_BxT is None:
-        raise ValueError(f"entropy_coef = {entropy_coef} needs entropy_BxT")
+    eps_low, eps_high = cfg.eps_low, cfg.eps_high
     on_BxT = jnp.asarray(mask_BxT, bool)
-    m_BxT = on_BxT.astype(jnp.float32)
     a_Bx1 = jnp.asarray(adv_B, jnp.float32)  # (B x T for packed rows: A_i on each token)
     a_Bx1 = a_Bx1 if a_Bx1.ndim == 2 else a_Bx1[:, None]
     # Masked entries are replaced, not multiplied by 0, so junk (even NaN) there cannot leak.
@@ -194,23 +212,11 @@ def policy_loss_sum(
     )
     ratio_BxT = jnp.exp(log_ratio_BxT)
 
-    l1_BxT = -a_Bx1 * ratio_BxT
-    l2_BxT = -a_Bx1 * jnp.clip(ratio_BxT, 1.0 - eps_low, 1.0 + eps_high)
-    pg_BxT = jnp.maximum(l1_BxT, l2_BxT)
-    dual_BxT = jnp.zeros_like(pg_BxT, bool)
-    if clip_ratio_c is not None:
-        pg_BxT = jnp.where(a_Bx1 < 0, jnp.minimum(pg_BxT, -a_Bx1 * clip_ratio_c), pg_BxT)
-        dual_BxT = (a_Bx1 < 0) & (ratio_BxT > clip_ratio_c)
+    pg_BxT, dual_BxT = clipped_surrogate(ratio_BxT, a_Bx1, eps_low, eps_high, cfg.clip_ratio_c)
     if is_weight_BxT is not None:
         pg_BxT = pg_BxT * jax.lax.stop_gradient(is_weight_BxT)
+    agg, token_mean = _aggregations(on_BxT, cfg.agg_mode, denom, segment_BxT)
 
-    w_BxT = m_BxT
-    if cfg.agg_mode == "seq-mean-token-mean":
-        w_BxT = m_BxT / jnp.maximum(sequence_loss_tokens(m_BxT, segment_BxT), 1.0)
-    agg = lambda x_BxT: jnp.sum(jnp.where(on_BxT, w_BxT * x_BxT, 0.0)) / denom.loss
-    token_mean = lambda x_BxT: jnp.sum(jnp.where(on_BxT, x_BxT, 0.0)) / denom.tokens
-
-    loss_BxT = pg_BxT
     metrics = {
         "pg_loss": agg(pg_BxT),
         "pg_clipfrac_upper": token_mean((a_Bx1 > 0) & (ratio_BxT > 1.0 + eps_high)),
@@ -219,18 +225,29 @@ def policy_loss_sum(
         "approx_kl_old": token_mean(ratio_BxT - 1.0 - log_ratio_BxT),
         "token_prob": token_mean(jnp.exp(logp_BxT)),
     }
+    reg_BxT, reg_metrics = _regularizers(cfg, on_BxT, token_mean, logp_BxT, ref_logp_BxT, entropy_BxT)
+    loss = agg(pg_BxT + reg_BxT)
+    return loss, {**metrics, **reg_metrics, "loss": loss}
+
+
+def _regularizers(cfg: PolicyLossConfig, on_BxT, token_mean, logp_BxT, ref_logp_BxT, entropy_BxT):
+    """`(reg_BxT, metrics)`: β KL_k3(pi_theta || pi_ref) - entropy_coef H per token (0 where
+    both are off), and the token-means kl_ref and entropy of what is given."""
+    if cfg.beta and ref_logp_BxT is None:
+        raise ValueError(f"beta = {cfg.beta} needs ref_logp_BxT")
+    if cfg.entropy_coef and entropy_BxT is None:
+        raise ValueError(f"entropy_coef = {cfg.entropy_coef} needs entropy_BxT")
+    reg_BxT, metrics = jnp.zeros_like(logp_BxT, jnp.float32), {}
     if ref_logp_BxT is not None:
         kl_BxT = k3_kl(jnp.where(on_BxT, logp_BxT, 0.0), jnp.where(on_BxT, ref_logp_BxT, 0.0))
         metrics["kl_ref"] = token_mean(kl_BxT)
-        if beta:
-            loss_BxT = loss_BxT + beta * kl_BxT
+        if cfg.beta:
+            reg_BxT = reg_BxT + cfg.beta * kl_BxT
     if entropy_BxT is not None:
         metrics["entropy"] = token_mean(entropy_BxT)
-        if entropy_coef:
-            loss_BxT = loss_BxT - entropy_coef * jnp.where(on_BxT, entropy_BxT, 0.0)
-    loss = agg(loss_BxT)
-    metrics["loss"] = loss
-    return loss, metrics
+        if cfg.entropy_coef:
+            reg_BxT = reg_BxT - cfg.entropy_coef * jnp.where(on_BxT, entropy_BxT, 0.0)
+    return reg_BxT, metrics
 
 
 def logp_diff(logp_BxT, other_logp_BxT, mask_BxT, denom: Denominators):
