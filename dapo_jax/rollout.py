@@ -44,6 +44,7 @@ def sample_and_score(
     examples: list[dict],
     group_size: int,
     rng,
+    *,
     tokenizer,
     scorer: rewards.RewardScorer,
     prompt_len: int,
@@ -107,12 +108,13 @@ def shape_rewards(batch: GenerationBatch, shaping: RewardShaping) -> GenerationB
 
 
 def generation_batch(
-    sampler, params, examples, group_size, rng, tokenizer, scorer, prompt_len, shaping: RewardShaping
+    sampler, params, examples, group_size, rng, *, tokenizer, scorer, prompt_len, shaping: RewardShaping
 ) -> GenerationBatch:
     """One generation batch for the dynamic-sampling filter: sampled, scored and shaped."""
-    return shape_rewards(
-        sample_and_score(sampler, params, examples, group_size, rng, tokenizer, scorer, prompt_len), shaping
+    scored = sample_and_score(
+        sampler, params, examples, group_size, rng, tokenizer=tokenizer, scorer=scorer, prompt_len=prompt_len
     )
+    return shape_rewards(scored, shaping)
 
 
 def evaluate(
@@ -121,6 +123,7 @@ def evaluate(
     examples,
     samples: int,
     rng,
+    *,
     tokenizer,
     scorer,
     prompt_len,
@@ -142,8 +145,9 @@ def evaluate(
     for i, chunk in enumerate(tqdm.tqdm(chunks, desc="eval", leave=False, disable=None)):
         n_real = len(chunk) * samples
         chunk = chunk + [chunk[-1]] * (size - len(chunk))
+        rng_i = jax.random.fold_in(rng, i)
         out = sample_and_score(
-            sampler, params, chunk, samples, jax.random.fold_in(rng, i), tokenizer, scorer, prompt_len
+            sampler, params, chunk, samples, rng_i, tokenizer=tokenizer, scorer=scorer, prompt_len=prompt_len
         )
         records += [
             {"problem_id": int(p), "pred": str(pred), "acc": bool(a)}

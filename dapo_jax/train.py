@@ -77,12 +77,12 @@ def evaluate(run: Run, params, step: int, sample_rows: list | None = None, ks=No
         run.eval_examples,
         run.config.eval.samples,
         jax.random.fold_in(jax.random.key(run.config.seed + 1), step),
-        run.tokenizer,
-        run.scorer,
-        run.config.data.max_prompt_len,
-        run.config.eval.batch_prompts,
-        sample_rows,
-        ks,
+        tokenizer=run.tokenizer,
+        scorer=run.scorer,
+        prompt_len=run.config.data.max_prompt_len,
+        batch_prompts=run.config.eval.batch_prompts,
+        sample_rows=sample_rows,
+        ks=ks,
     )
     result["timing/eval_s"] = time.time() - t0
     return result
@@ -165,10 +165,10 @@ def _sample_train_batch(
                 prompts.next_batch(c.filter.gen_batch_prompts),
                 c.rollout.group_size,
                 rng,
-                run.tokenizer,
-                run.scorer,
-                c.data.max_prompt_len,
-                run.shaping,
+                tokenizer=run.tokenizer,
+                scorer=run.scorer,
+                prompt_len=c.data.max_prompt_len,
+                shaping=run.shaping,
             )
             filt.add(batch)
             hosts.check_agreed(
@@ -213,9 +213,9 @@ def _step(
         state,
         device,
         c.train.train_batch_prompts // c.train.mini_batch_prompts,
-        run.ref_params,
-        old_logp_BxT,
-        is_weight_BxT,
+        ref_params=run.ref_params,
+        old_logp_BxT=old_logp_BxT,
+        is_weight_BxT=is_weight_BxT,
     )
     updates = jax.device_get(updates)
     t_train = time.time() - t1

@@ -321,6 +321,7 @@ def train_on_rollout(
     state: TrainState,
     rollout: Rollout,
     num_mini_batches: int,
+    *,
     ref_params=None,
     old_logp_BxT=None,
     is_weight_BxT=None,

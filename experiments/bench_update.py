@@ -130,7 +130,7 @@ def make_update(old_logp: str, dtype: str, micro: int, micro_rows: int, mesh, at
             else None
         )
         state, metrics = ts.train_on_rollout(
-            step, logprobs_fn, mesh, state, rollout, 1, None, sampler_logp if old is None else old
+            step, logprobs_fn, mesh, state, rollout, 1, old_logp_BxT=sampler_logp if old is None else old
         )
         return state, metrics
 
