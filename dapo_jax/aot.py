@@ -24,6 +24,7 @@ It exits 1 with a one-line message when a program does not fit.
 FLOPs. XLA's cost analysis counts a loop body once (the scanned layers, the micro-batch scan, the
 decode loop), so the FLOPs and times below are the model's, counted by hand (`model_flops`); the
 bytes per decoded token come from cost analysis of one decode step at 1 and 2 layers, extrapolated.
+The engine's bytes are counted from the compiled programs' HLO instead (`engine_cost.hbm_bytes`).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from dapo_jax import (
     hf_model_config,
     model,
     packing,
+    paged_attention,
     programs,
     run,
     sampler,
@@ -343,8 +345,9 @@ def decode_layouts(cfg, c, mesh, devices, chip: Chip) -> list[dict]:
 
 
 def _bytes(compiled) -> float:
-    cost = compiled.cost_analysis()
-    return float((cost[0] if isinstance(cost, list) else cost)["bytes accessed"])
+    """HBM bytes per chip of a compiled program, counted from its HLO (`engine_cost.hbm_bytes`:
+    XLA's cost analysis counts nested fusions' operands again, and VMEM)."""
+    return float(engine_cost.hbm_bytes(compiled.as_text()))
 
 
 def engine_rows(c, cfg: model.ModelConfig, devices, chip: Chip, hbm_gib: float) -> list[dict]:
@@ -355,24 +358,31 @@ def engine_rows(c, cfg: model.ModelConfig, devices, chip: Chip, hbm_gib: float) 
       its memory with the train state resident; `engine_prefill`: the prefill alone. The first's
       bytes less the second's are the decode loop's body with its loops' bodies (the scanned
       layers, the attention's blocks) counted once: a lower bound of a step's bytes.
-    - `engine_step`: one decode step's bytes (`_step_bytes`) against the roofline."""
+    - `engine_step`: one decode step's bytes (`_step_bytes`) against the roofline; where the model
+      runs the Pallas kernel (a TPU mesh), plus the pages the kernel fetches
+      (`EngineCount.kernel_pairs`: its DMAs, which no count of the compiled program sees)."""
     paged = c.copy_and_resolve_references()
     paged.rollout.paged = True
     p = programs.build(paged, cfg, (0,), 0, devices)
     sh, s = engine_cost.shard(p, paged), programs.program_sizes(paged)
     geo, n_new, tensor = sh.geometry, paged.rollout.max_new_tokens, p.rollout_mesh.shape["tensor"]
     prompt_B, response_B = dapo_rows(geo.rows, s.prompt_len, n_new)
+    block = min(paged_attention.KERNEL_BLOCK_PAGES, geo.table_pages)
     count = engine_cost.engine_count(
-        p.rollout_model.config, tensor, prompt_B, response_B, geo.page_size, geo.slots
+        p.rollout_model.config, tensor, prompt_B, response_B, geo.page_size, geo.slots, block
     )
     print(f"engine per data shard: {sh.prompts} prompts, {geo}", flush=True)
     flops = model_flops(cfg, s.rollout_prompts * s.prompt_len, s.prompt_len / 2)
     decode_flops = model_flops(cfg, count.tokens * sh.shards, count.pairs * geo.page_size / count.tokens)
     rows, whole = _engine_programs(p, paged, devices, chip, hbm_gib, flops, decode_flops)
-    step, pair, kernel = _step_bytes(p, paged, devices, geo.slots)
+    step, pair, kernel_layer = _step_bytes(p, paged, devices, geo.slots)
     pairs_per_step = count.pairs / count.steps  # per layer, the shard's rows together
     compiled_step = step[0] + (step[1] - step[0]) * (cfg.num_layers - 1)
-    compiled_step += cfg.num_layers * pair * (pairs_per_step - geo.slots)
+    kernel = paged_attention.uses_kernel(p.rollout_mesh)
+    if kernel:  # the kernel's page fetches, which the program's HLO does not show
+        compiled_step += count.kernel_pairs * count.page_bytes / count.steps
+    else:
+        compiled_step += cfg.num_layers * pair * (pairs_per_step - geo.slots)
     body = whole.get("engine", math.nan) - whole.get("engine_prefill", math.nan)
     roofline = count.bytes_per_step
     seconds_of = lambda per_step: count.steps * per_step / (chip.hbm_gbps * 1e9)
@@ -394,7 +404,9 @@ def engine_rows(c, cfg: model.ModelConfig, devices, chip: Chip, hbm_gib: float) 
         roofline_weights_gib=count.weight_bytes / GIB,
         ratio=compiled_step / roofline,
         loop_body_ratio=body / roofline,
-        kernel_layer_bytes=kernel,
+        kernel_layer_bytes=kernel_layer,
+        attention="kernel" if kernel else "pure",
+        kernel_pairs_per_step=count.kernel_pairs / count.steps,
         tokens_per_s_chip=count.tokens / tensor / seconds_of(compiled_step),
         roofline_tokens_per_s_chip=count.tokens / tensor / seconds_of(roofline),
         gen_batch_hours=batches * seconds_of(compiled_step) / 3600,
@@ -461,7 +473,9 @@ def _engine_step_text(row: dict, geo) -> str:
         f"{row['pair_bytes'] / 2**10:.1f} KiB per (row, page) pair "
         f"(a page: {row['page_bytes'] / 2**10:.1f} KiB), "
         f"{row['pairs_per_step']:.0f} pairs a step; the Pallas kernel "
-        f"{row['kernel_layer_bytes'] / 2**20:.2f} MiB by cost analysis (0: not compiled, no TPU)"
+        f"{row['kernel_layer_bytes'] / 2**20:.2f} MiB by its HLO (0: not compiled, no TPU), "
+        f"{row['kernel_pairs_per_step']:.0f} pages fetched a step (its blocks). The model's "
+        f"attention: {row['attention']}"
     )
 
 

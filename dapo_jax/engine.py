@@ -2,16 +2,19 @@
 
 A generation batch of B = P x G rows (row p*G + g: response g to prompt p) is decoded in S slots
 (`SamplingConfig.decode_slots`). Each layer's cache is a pool of M pages of Z slots
-(`paged_attention`; M = `kv_pages`, Z = `page_size`). Row b's keys are its prompt's q_p real
-tokens then its own, in order (no padding held): key s in slot s % Z of page `table[s // Z]`.
+(`paged_attention`; M = `kv_pages`, Z = `page_size`), the L layers' pools one array
+`pool_AxZxUxE` (A = L x M; a page id p names page p of every layer), which every step updates
+in place. Row b's keys are its prompt's q_p real tokens then its own, in order (no padding
+held): key s in slot s % Z of page `table[s // Z]`.
 
 - Prefill: once per prompt (its first q_p - 1 tokens), into the prompt's J = ceil((L - 1) / Z)
   pages, held for the whole call. The prompt's full pages are shared by its G rows (their tables
   name them); its last, partial page is copied into a page of the row's own when the row starts.
 - Decode: every step each running row feeds one token (its prompt's last at t = 0, then its
   token t - 1) at position q_p - 1 + t, takes a page from the free list when that key starts
-  one, and attends over only the pages it holds (`paged_decode_attention`). A row ends at an end
-  id or after N tokens; its slot and own pages are freed at once and the next waiting row starts.
+  one, and attends over only the pages it holds (`paged_attention.decode_step`: the Pallas
+  kernel on TPU). A row ends at an end id or after N tokens; its slot and own pages are freed
+  at once and the next waiting row starts.
 - A full pool: a row needing a page when none is free waits (its step is not taken). If every
   running row waits, the one started last gives its pages back and waits to start again; it
   recomputes the same tokens, since a row's samples depend only on its uniforms. New rows start
@@ -64,14 +67,15 @@ def geometry(config: sampler.SamplingConfig, prompts: int, group: int, width: in
     return Geometry(b, s, z, j, i, m)
 
 
-def empty_pools(config: ModelConfig, pages: int, page_size: int):
-    """Zeroed pools `pages_MxZxUxE` in the compute dtype: one per layer, or stacked on a leading
-    layer axis with `scan_layers`."""
-    lead = (config.num_layers,) if config.scan_layers else ()
-    shape = (*lead, pages, page_size, 2 * config.num_kv_heads, config.head_dim)
-    if config.scan_layers:
-        return jnp.zeros(shape, config.compute_dtype)
-    return [jnp.zeros(shape, config.compute_dtype) for _ in range(config.num_layers)]
+def empty_pool(config: ModelConfig, pages: int, page_size: int):
+    """The zeroed pool `pool_AxZxUxE` of every layer's M = `pages` pages (A = L x M) in the
+    compute dtype, its combined heads split over `tensor` as the weights' kv heads are."""
+    shape = (config.num_layers * pages, page_size, 2 * config.num_kv_heads, config.head_dim)
+    return _heads_split(jnp.zeros(shape, config.compute_dtype))
+
+
+def _heads_split(pool_AxZxUxE):
+    return nn.with_logical_constraint(pool_AxZxUxE, (None, None, "kv_heads", None))
 
 
 def _as_pages(cache: KVCache, pad_P, geo: Geometry, transposed_keys: bool):
@@ -87,25 +91,32 @@ def _as_pages(cache: KVCache, pad_P, geo: Geometry, transposed_keys: bool):
 
 
 def prefill_pages(model: Transformer, params, prompt_PxL, mask_PxL, geo: Geometry):
-    """Empty pools whose first P x J pages hold the prompts' prefill (page p*J + j: prompt p's j-th)."""
-    pools = empty_pools(model.config, geo.pool_pages, geo.page_size)
+    """The pool `pool_AxZxUxE` whose pages 0 .. P x J - 1 hold the prompts' prefill in every
+    layer (page p*J + j: prompt p's j-th), the rest zeros."""
+    c = model.config
     if not geo.prompt_pages:
-        return pools
+        return empty_pool(c, geo.pool_pages, geo.page_size)
     l = prompt_PxL.shape[1]
     caches = sampler.prefill(model, params, prompt_PxL[:, :-1], mask_PxL[:, :-1], l - 1)
     pad_P = l - mask_PxL.sum(-1, dtype=jnp.int32)
-    a, transposed = prompt_PxL.shape[0] * geo.prompt_pages, model.config.transposed_keys
-    if model.config.scan_layers:
-        kv = jax.vmap(lambda c: _as_pages(c, pad_P, geo, transposed))(caches)
-        return pools.at[:, :a].set(kv.astype(pools.dtype))
-    return [pool.at[:a].set(_as_pages(c, pad_P, geo, transposed)) for pool, c in zip(pools, caches)]
+    as_pages = lambda cache: _as_pages(cache, pad_P, geo, c.transposed_keys)
+    kv_LxAxZxUxE = jax.vmap(as_pages)(caches) if c.scan_layers else jnp.stack([as_pages(x) for x in caches])
+    rest = geo.pool_pages - kv_LxAxZxUxE.shape[1]
+    kv_LxMxZxUxE = jnp.pad(kv_LxAxZxUxE.astype(c.compute_dtype), ((0, 0), (0, rest), (0, 0), (0, 0), (0, 0)))
+    return _heads_split(kv_LxMxZxUxE.reshape(-1, *kv_LxMxZxUxE.shape[2:]))
 
 
-def copy_pages(pools, src_S, dst_S):
-    """Pools with page `src_S[s]` copied to page `dst_S[s]` in every layer (dst M: no copy)."""
-    if isinstance(pools, list):
-        return [pool.at[dst_S].set(pool[src_S], mode="drop") for pool in pools]
-    return pools.at[:, dst_S].set(pools[:, src_S], mode="drop")
+def copy_pages(pool_AxZxUxE, src_S, dst_S, pages: int):
+    """The pool with page `src_S[s]` copied to page `dst_S[s]` in every layer (A = L x M, M =
+    `pages`; dst M: no copy), slot by slot: windows of one slot's U x E, as `write_pages` writes
+    (on TPU a page-wide window wants another layout of the pool: a copy of it in and out)."""
+    a, z = pool_AxZxUxE.shape[:2]
+    shape = (a // pages, len(src_S), z)  # every layer's slots of every copied page
+    first_LxSxZ = jnp.broadcast_to(jnp.arange(a // pages)[:, None, None] * pages, shape)
+    slot_X = jnp.broadcast_to(jnp.arange(z), shape).ravel()
+    src_X = (first_LxSxZ + src_S[:, None]).ravel()
+    dst_X = jnp.where(dst_S[:, None] < pages, first_LxSxZ + dst_S[:, None], a).ravel()
+    return pool_AxZxUxE.at[dst_X, slot_X].set(pool_AxZxUxE[src_X, slot_X], mode="drop")
 
 
 class Prompts(NamedTuple):
@@ -123,7 +134,7 @@ class EngineState(NamedTuple):
     feed_S: jax.Array  # the token it feeds next
     order_S: jax.Array  # when the row started (the last started is preempted first)
     table_SxI: jax.Array  # the slot's page table
-    pools: list[jax.Array] | jax.Array  # pages_MxZxUxE per layer, or stacked
+    pool: jax.Array  # pool_AxZxUxE: every layer's M pages
     free_M: jax.Array  # a stack of free page ids, its top at free_top - 1
     free_top: jax.Array
     waiting_B: jax.Array  # rows not started (or preempted)
@@ -180,13 +191,13 @@ def _start_rows(st: EngineState, prompts: Prompts, group: int, geo: Geometry) ->
     # Unconditional (slots that start no row copy to page M: dropped): a lax.cond here copied
     # the whole pool in and out of its branches every step (aot --programs=engine, 7B: a layer's
     # step 0.785 -> 0.565 GiB without it).
-    pools = copy_pages(st.pools, src_S, dst_S)
+    pool = copy_pages(st.pool, src_S, dst_S, geo.pool_pages)
     return st._replace(
         row_S=jnp.where(start_S, row_S, st.row_S),
         step_S=jnp.where(start_S, 0, st.step_S),
         feed_S=jnp.where(start_S, prompts.last_P[p_S], st.feed_S),
         order_S=jnp.where(start_S, st.started + k_S, st.order_S),
-        pools=pools,
+        pool=pool,
         waiting_B=st.waiting_B.at[jnp.where(start_S, row_S, b)].set(False, mode="drop"),
         started=st.started + start_S.sum(),
     )
@@ -211,8 +222,8 @@ def _decode(model, params, config, geo: Geometry, prompts: Prompts, group: int, 
         write_slot_B=pos_S % z,
     )
     positions_S = jnp.where(run_S, pos_S, 0)
-    logits_Sx1xV, pools = model.apply(
-        {"params": params}, st.feed_S[:, None], positions_S[:, None], None, st.pools, refs
+    logits_Sx1xV, pool = model.apply(
+        {"params": params}, st.feed_S[:, None], positions_S[:, None], None, st.pool, refs
     )
     step_S = jnp.minimum(st.step_S, n_new - 1)
     # whole vocabularies: sampling's reversals of a vocabulary split over tensor are collective
@@ -225,7 +236,7 @@ def _decode(model, params, config, geo: Geometry, prompts: Prompts, group: int, 
     st = st._replace(
         step_S=st.step_S + run_S,
         feed_S=jnp.where(run_S, token_S, st.feed_S),
-        pools=pools,
+        pool=pool,
         tokens_BxN=st.tokens_BxN.at[out_S, step_S].set(token_S, mode="drop"),
         logp_BxN=st.logp_BxN.at[out_S, step_S].set(logp_S, mode="drop"),
         ended_B=st.ended_B.at[fin_S].set(ended_S, mode="drop"),
@@ -256,7 +267,7 @@ def step(model, params, config, geo: Geometry, prompts: Prompts, group: int, u_B
     return _start_rows(st, prompts, group, geo)
 
 
-def initial_state(pools, geo: Geometry, n_new: int, pad_id: int) -> EngineState:
+def initial_state(pool_AxZxUxE, geo: Geometry, n_new: int, pad_id: int) -> EngineState:
     b, s, m = geo.rows, geo.slots, geo.pool_pages
     return EngineState(
         row_S=jnp.full((s,), b, jnp.int32),
@@ -264,7 +275,7 @@ def initial_state(pools, geo: Geometry, n_new: int, pad_id: int) -> EngineState:
         feed_S=jnp.zeros((s,), jnp.int32),
         order_S=jnp.zeros((s,), jnp.int32),
         table_SxI=jnp.zeros((s, geo.table_pages), jnp.int32),
-        pools=pools,
+        pool=pool_AxZxUxE,
         free_M=jnp.zeros((m,), jnp.int32),
         free_top=jnp.zeros((), jnp.int32),
         waiting_B=jnp.ones((b,), bool),
@@ -292,8 +303,8 @@ def paged_rollout(model, config: sampler.SamplingConfig, group: int, params, pro
         shared_P=keys_P // geo.page_size,
         partial_P=keys_P % geo.page_size != 0,
     )
-    pools = prefill_pages(model, params, prompt_PxL, mask_PxL, geo)
-    st = initial_state(pools, geo, config.max_new_tokens, config.pad_id)
+    pool = prefill_pages(model, params, prompt_PxL, mask_PxL, geo)
+    st = initial_state(pool, geo, config.max_new_tokens, config.pad_id)
     held = p * geo.prompt_pages  # the prompts' pages; the rest start free
     st = st._replace(
         free_M=jnp.arange(geo.pool_pages, dtype=jnp.int32)[::-1], free_top=jnp.int32(geo.pool_pages - held)

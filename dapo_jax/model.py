@@ -11,9 +11,10 @@ trainer's pass over packed rows their `segment_attention.SegmentIds`. Without a 
 the keys are the T input tokens (S = T): the trainer's teacher-forced pass. With a cache (`KVCache`,
 one per layer) row b's T new keys and values are written at its slot `cache_index_B[b]` (a scalar:
 every row's) and the queries read all S cache slots: `grouped_attention` for a prefill (T > 1),
-`decode_attention` for a decode step (T = 1). With a paged cache (a pool of pages per layer,
+`decode_attention` for a decode step (T = 1). With a paged cache (one pool of every layer's pages,
 `paged_attention`) and `cache_index_B` a `PageRefs`, a decode step writes each row's key and value
-where the refs say and reads only the pages its table names, up to its length.
+where the refs say and reads only the pages its table names, up to its length
+(`paged_attention.decode_step`: the Pallas kernel on TPU); the pool is threaded through the layers.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dapo_jax.paged_attention import PageRefs, paged_decode_attention, write_pages
+from dapo_jax import paged_attention
+from dapo_jax.paged_attention import PageRefs
 from dapo_jax.segment_attention import SegmentIds, blocked_attention, splash_attention
 
 _NEG_INF = -1e30  # finite, so that a fully masked (padding) query row stays NaN-free
@@ -396,11 +398,9 @@ class Attention(nn.Module):
                 q_BxTxKxGxH, kT_BxKxHxT, v_BxKxTxH, attn_BxTxS, dtype, chunk, causal_prefix=not c.remat
             )
         elif isinstance(cache_index_B, PageRefs):  # paged decode step: one token, a pool of pages
-            refs = cache_index_B
-            cache = write_pages(
-                cache, k_BxKxTxH[:, :, 0], v_BxKxTxH[:, :, 0], refs.write_page_B, refs.write_slot_B
+            out, cache = paged_attention.decode_step(
+                q_BxTxKxGxH[:, 0], k_BxKxTxH[:, :, 0], v_BxKxTxH[:, :, 0], cache, cache_index_B, c.num_layers
             )
-            out = paged_decode_attention(q_BxTxKxGxH[:, 0], cache, refs.lengths_B, refs.table_BxI, b)
             out = out.astype(dtype)[:, None]
         else:
             cache = write_cache(cache, k_BxKxTxH, v_BxKxTxH, cache_index_B, c.transposed_keys)
@@ -474,8 +474,10 @@ def _layer_class(c: ModelConfig):
 def _decoder_stack(c: ModelConfig, x_BxTxD, rope, attn_BxTxS, caches, cache_index_B):
     """The L decoder layers: a Python loop (params `layers_i`, caches a list) or, with
     `scan_layers`, one `nn.scan` body (params `layers` stacked on a leading axis named "layers",
-    caches one stacked KVCache scanned along with them)."""
+    caches one stacked KVCache scanned along with them). A paged decode step: `_paged_stack`."""
     layer_cls = _layer_class(c)
+    if isinstance(cache_index_B, PageRefs):
+        return _paged_stack(c, layer_cls, x_BxTxD, rope, caches, cache_index_B)
     if not c.scan_layers:
         new_caches = []
         for i in range(c.num_layers):
@@ -493,6 +495,33 @@ def _decoder_stack(c: ModelConfig, x_BxTxD, rope, attn_BxTxS, caches, cache_inde
         metadata_params={nn.PARTITION_NAME: "layers"},
     )
     return stack(c, name="layers")(x_BxTxD, rope, attn_BxTxS, caches, cache_index_B)
+
+
+def _paged_stack(c: ModelConfig, layer_cls, x_BxTxD, rope, pool_AxZxUxE, refs: PageRefs):
+    """The L layers of a paged decode step, the pool of every layer's pages carried from layer
+    to layer (layer l told by `refs.layer`), so that each layer's write updates it in place: a
+    stacked pool scanned as xs and ys is copied whole every step. Params as `_decoder_stack`'s."""
+    if not c.scan_layers:
+        for i in range(c.num_layers):
+            layer = layer_cls(c, name=f"layers_{i}")
+            x_BxTxD, pool_AxZxUxE = layer(x_BxTxD, rope, None, pool_AxZxUxE, refs._replace(layer=i))
+        return x_BxTxD, pool_AxZxUxE
+
+    def body(layer, carry, i):
+        x_BxTxD, pool_AxZxUxE = carry
+        return layer(x_BxTxD, rope, None, pool_AxZxUxE, refs._replace(layer=i)), None
+
+    stack = nn.scan(
+        body,
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        length=c.num_layers,
+        metadata_params={nn.PARTITION_NAME: "layers"},
+    )
+    (x_BxTxD, pool_AxZxUxE), _ = stack(
+        layer_cls(c, name="layers"), (x_BxTxD, pool_AxZxUxE), jnp.arange(c.num_layers)
+    )
+    return x_BxTxD, pool_AxZxUxE
 
 
 def lm_head(config: ModelConfig, params, x_BxTxD) -> jax.Array:
@@ -537,7 +566,7 @@ class Transformer(nn.Module):
         )
         x_BxTxD = nn.with_logical_constraint(embed(tokens_BxT), ("batch", "length", "embed"))
         if isinstance(cache_index_B, PageRefs):  # bound on the positions: a row's I pages of Z slots
-            bound = cache_index_B.table_BxI.shape[1] * jax.tree.leaves(caches)[0].shape[-3]
+            bound = cache_index_B.table_BxI.shape[1] * caches.shape[1]
         else:
             bound = tokens_BxT.shape[1] if caches is None else cache_slots(caches)
         rope = rope_tables(positions_BxT, c, bound)

@@ -6,6 +6,8 @@ of Z slots, `pages_MxZxUxE`, whose U = 2K combined heads interleave keys and val
 head k, 2k + 1: value head k). Row b's keys are its sequence's tokens in order, key s in slot
 s % Z of page `table_BxI[b, s // Z]`; it holds `lengths_B[b]` of them. Pages are shared between
 rows by putting one page id in several tables (a prompt's full pages, read by its G responses).
+The model's L layers keep their pools in one array, `pool_AxZxUxE` (A = L x M: layer l's page p
+at l x M + p), which a decode step's layers update in place one after another (`decode_step`).
 
 Two attentions over it, the same numbers to float rounding:
 - `paged_decode_attention` (pure JAX, any backend): the (row, page) pairs that hold keys, in
@@ -13,6 +15,7 @@ Two attentions over it, the same numbers to float rounding:
   partial softmaxes merged per row. Its cost follows the sum of the rows' lengths, not the rows
   times the longest.
 - `kernel_decode_attention`: the Pallas TPU kernel itself (compiles for TPU only).
+`decode_step` runs the kernel where the mesh's devices are TPUs (`uses_kernel`), else the pure path.
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 _NEG_INF = -1e30
+KERNEL_BLOCK_PAGES = 16  # F: pages of a row the kernel fetches per flash block
 
 
 class PageRefs(NamedTuple):
@@ -33,6 +38,7 @@ class PageRefs(NamedTuple):
     lengths_B: jax.Array  # keys row b holds, the one written this step included
     write_page_B: jax.Array  # page of this step's key and value; M (past the pool): no write
     write_slot_B: jax.Array  # its slot within that page
+    layer: jax.Array | int = 0  # l, the layer reading them: its pages lie at l x M + page id
 
 
 def interleave_kv(k_XxKxE, v_XxKxE):
@@ -112,17 +118,22 @@ def paged_decode_attention(q_BxKxRxE, pages_MxZxUxE, lengths_B, table_BxI, block
     return (out_BxKxRxE / jnp.maximum(sum_BxKxR, 1e-30)[..., None]).astype(q_BxKxRxE.dtype)
 
 
-def kernel_decode_attention(q_BxKxRxE, pages_MxZxUxE, lengths_B, table_BxI, block_pages: int = 16):
+def kernel_decode_attention(
+    q_BxKxRxE, pages_MxZxUxE, lengths_B, table_BxI, block_pages: int = KERNEL_BLOCK_PAGES
+):
     """`paged_decode_attention` by jax's ragged paged attention Pallas kernel (TPU only): one query
     per row, every row a sequence; `block_pages` pages a row per flash block (given, so that the
-    kernel does not look its tuned sizes up on the host's devices, which fails in an AOT compile)."""
+    kernel does not look its tuned sizes up on the host's devices, which fails in an AOT compile).
+    A row with no keys (an idle slot) reads its table's first key, whose output is not used: the
+    kernel skips a row of length 0 without consuming the block it prefetched for it, and the
+    next row would read that block as its own."""
     from jax.experimental.pallas.ops.tpu import ragged_paged_attention as rpa  # noqa: PLC0415
 
     b, k, r, e = q_BxKxRxE.shape
     out = rpa.ragged_paged_attention(
         q_BxKxRxE.reshape(b, k * r, e),
         pages_MxZxUxE,
-        lengths_B.astype(jnp.int32),
+        jnp.maximum(lengths_B, 1).astype(jnp.int32),
         table_BxI.astype(jnp.int32),
         jnp.arange(b + 1, dtype=jnp.int32),
         jnp.array([b], jnp.int32),
@@ -131,3 +142,46 @@ def kernel_decode_attention(q_BxKxRxE, pages_MxZxUxE, lengths_B, table_BxI, bloc
         num_queries_per_block=min(b, 32),
     )
     return out.reshape(b, k, r, e)
+
+
+def uses_kernel(mesh=None) -> bool:
+    """Whether a decode step's attention runs the Pallas kernel: when `mesh` (default: the
+    current one) is made of TPU devices, abstract ones included (an AOT compile); elsewhere
+    (CPU, GPU, no mesh) the pure-JAX `paged_decode_attention`."""
+    abstract = jax.sharding.get_abstract_mesh() if mesh is None else mesh.abstract_mesh
+    device = getattr(abstract, "abstract_device", None)
+    return not abstract.empty and device is not None and device.platform == "tpu"
+
+
+def decode_step(q_BxKxRxE, k_BxKxE, v_BxKxE, pool_AxZxUxE, refs: PageRefs, layers: int):
+    """`(out_BxKxRxE, pool_AxZxUxE)`: one layer's decode step over the pool of all `layers`
+    layers' pages (A = L x M, layer l = `refs.layer` at pages l x M ..): row b's key and value
+    written at slot `refs.write_slot_B[b]` of its page `refs.write_page_B[b]` (M: none), then its
+    query attends over its `refs.lengths_B[b]` keys. Where `uses_kernel`, by the Pallas kernel
+    in a `jax.shard_map` over the mesh's `tensor` axis (a Mosaic kernel is not partitioned: each
+    chip writes and reads its K / T kv heads, 2K / T combined ones of the pool as it lies);
+    elsewhere by `paged_decode_attention`, in blocks of B (row, page) pairs."""
+    m = pool_AxZxUxE.shape[0] // layers
+    first = refs.layer * m
+    page_B = jnp.where(refs.write_page_B < m, first + refs.write_page_B, pool_AxZxUxE.shape[0])
+    table_BxI = first + refs.table_BxI
+    kernel = uses_kernel()
+
+    def step(q_BxKxRxE, k_BxKxE, v_BxKxE, pool_AxZxUxE, page_B, slot_B, lengths_B, table_BxI):
+        pool_AxZxUxE = write_pages(pool_AxZxUxE, k_BxKxE, v_BxKxE, page_B, slot_B)
+        if kernel:
+            return kernel_decode_attention(q_BxKxRxE, pool_AxZxUxE, lengths_B, table_BxI), pool_AxZxUxE
+        b = q_BxKxRxE.shape[0]
+        return paged_decode_attention(q_BxKxRxE, pool_AxZxUxE, lengths_B, table_BxI, b), pool_AxZxUxE
+
+    args = (q_BxKxRxE, k_BxKxE, v_BxKxE, pool_AxZxUxE, page_B, refs.write_slot_B, refs.lengths_B, table_BxI)
+    if not kernel:
+        return step(*args)
+    heads, pool, rep = PartitionSpec(None, "tensor"), PartitionSpec(None, None, "tensor"), PartitionSpec()
+    return jax.shard_map(
+        step,
+        in_specs=(heads, heads, heads, pool, rep, rep, rep, rep),
+        out_specs=(heads, pool),
+        axis_names={"tensor"},
+        check_vma=False,
+    )(*args)

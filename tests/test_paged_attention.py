@@ -83,20 +83,76 @@ def test_write_pages_puts_each_row_at_its_slot_and_drops_past_the_pool():
     np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu (abstract TPU devices)")
-def test_the_kernel_compiles_for_tpu():
-    """`kernel_decode_attention` lowered and compiled for one abstract v5p chip (Pallas sees the TPU
-    kind inside `jax.set_mesh`; a Mosaic kernel is not partitioned, so a mesh of more chips calls
-    it inside a shard_map): bf16 pages of 16 slots, 8 kv heads x 8 queries, 128 wide."""
+def test_decode_step_writes_its_layers_pages_then_reads_them():
+    """A pool of 2 layers x M = 10 pages, layer 1's step: each row's key and value land in layer
+    1's page (10 + its page id), a write to page M lands nowhere (not in layer 2's first page, nor
+    past the pool), layer 0 is untouched, and each row's query reads its keys in layer 1, the new
+    one included: the kernel's reference on the pool written by hand."""
+    q, pages, lengths, table = _case([5, 2, 8], spare=1)  # 3 x 3 + 1 pages of 4 slots, 2 kv heads
+    m = len(pages)
+    rng = np.random.default_rng(3)
+    layer0 = rng.normal(size=pages.shape).astype(np.float32)
+    pool = np.concatenate([layer0, pages])
+    k, v = rng.normal(size=(2, 3, 2, 8)).astype(np.float32)
+    write_page, write_slot = np.array([table[0, 1], m, table[2, 1]]), np.array([0, 1, 3])
+    refs = pa.PageRefs(table, lengths, write_page, write_slot, layer=1)
+    out, got = pa.decode_step(jnp.asarray(q), k, v, jnp.asarray(pool), refs, layers=2)
+    want = pool.copy()
+    for b in (0, 2):
+        want[m + write_page[b], write_slot[b], 0::2] = k[b]
+        want[m + write_page[b], write_slot[b], 1::2] = v[b]
+    np.testing.assert_array_equal(np.asarray(got), want)
+    np.testing.assert_allclose(np.asarray(out), _reference(q, want[m:], lengths, table), atol=2e-6)
+    assert not pa.uses_kernel() and not pa.uses_kernel(jax.sharding.Mesh(jax.devices()[:1], ("tensor",)))
+
+
+def _abstract_tpu_devices():
     from jax.experimental import topologies  # noqa: PLC0415
 
-    devices = topologies.get_topology_desc(
+    return topologies.get_topology_desc(
         platform="tpu",
         topology_name="v5p:2x2x1",
         chip_config_name="default",
         chips_per_host_bounds=(2, 2, 1),
         num_slices=1,
     ).devices
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu (abstract TPU devices)")
+def test_decode_step_runs_the_kernel_on_tpu_heads_split_over_tensor():
+    """On a mesh of 4 abstract v5p chips (tensor 4) `decode_step` of layer 1 of a 2-layer pool
+    runs the Pallas kernel on each chip's 2 of 8 kv heads (in a shard_map over tensor), and
+    writes the donated pool in place: the compiler's temporaries hold less than one chip's
+    share of the pool."""
+    mesh = jax.sharding.Mesh(np.asarray(_abstract_tpu_devices()), ("tensor",))
+    b, k, r, e, m, z, i = 16, 8, 4, 128, 512, 16, 8
+    named = lambda *spec: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+    heads, rep = named(None, "tensor"), named()
+    pool = jax.ShapeDtypeStruct((2 * m, z, 2 * k, e), jnp.bfloat16, sharding=named(None, None, "tensor"))
+    ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rep)
+    args = (
+        jax.ShapeDtypeStruct((b, k, r, e), jnp.bfloat16, sharding=heads),
+        jax.ShapeDtypeStruct((b, k, e), jnp.bfloat16, sharding=heads),
+        jax.ShapeDtypeStruct((b, k, e), jnp.bfloat16, sharding=heads),
+        pool,
+        pa.PageRefs(ints(b, i), ints(b), ints(b), ints(b), 1),
+    )
+    assert pa.uses_kernel(mesh)
+    step = jax.jit(lambda *a: pa.decode_step(*a, layers=2), donate_argnums=(3,))
+    with jax.set_mesh(mesh):
+        assert pa.uses_kernel()
+        compiled = step.lower(*args).compile()
+    assert "ragged_paged_attention_kernel" in compiled.as_text()
+    pool_per_chip = 2 * m * z * 2 * k * e * 2 / 4
+    assert compiled.memory_analysis().temp_size_in_bytes < pool_per_chip
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu (abstract TPU devices)")
+def test_the_kernel_compiles_for_tpu():
+    """`kernel_decode_attention` lowered and compiled for one abstract v5p chip (Pallas sees the TPU
+    kind inside `jax.set_mesh`; a Mosaic kernel is not partitioned, so a mesh of more chips calls
+    it inside a shard_map): bf16 pages of 16 slots, 8 kv heads x 8 queries, 128 wide."""
+    devices = _abstract_tpu_devices()
     mesh = jax.sharding.Mesh(np.asarray(devices[:1]), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
     b, k, r, e, m, z, i = 8, 8, 8, 128, 64, 16, 8
     args = (
