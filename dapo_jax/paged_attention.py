@@ -159,8 +159,9 @@ def decode_step(q_BxKxRxE, k_BxKxE, v_BxKxE, pool_AxZxUxE, refs: PageRefs, layer
     written at slot `refs.write_slot_B[b]` of its page `refs.write_page_B[b]` (M: none), then its
     query attends over its `refs.lengths_B[b]` keys. Where `uses_kernel`, by the Pallas kernel
     in a `jax.shard_map` over the mesh's `tensor` axis (a Mosaic kernel is not partitioned: each
-    chip writes and reads its K / T kv heads, 2K / T combined ones of the pool as it lies);
-    elsewhere by `paged_decode_attention`, in blocks of B (row, page) pairs."""
+    chip writes and reads its K / T kv heads, 2K / T combined ones of the pool as it lies), or
+    directly where `tensor` is manual already (a loop per device holds its heads); elsewhere by
+    `paged_decode_attention`, in blocks of B (row, page) pairs."""
     m = pool_AxZxUxE.shape[0] // layers
     first = refs.layer * m
     page_B = jnp.where(refs.write_page_B < m, first + refs.write_page_B, pool_AxZxUxE.shape[0])
@@ -175,7 +176,7 @@ def decode_step(q_BxKxRxE, k_BxKxE, v_BxKxE, pool_AxZxUxE, refs: PageRefs, layer
         return paged_decode_attention(q_BxKxRxE, pool_AxZxUxE, lengths_B, table_BxI, b), pool_AxZxUxE
 
     args = (q_BxKxRxE, k_BxKxE, v_BxKxE, pool_AxZxUxE, page_B, refs.write_slot_B, refs.lengths_B, table_BxI)
-    if not kernel:
+    if not kernel or "tensor" in jax.sharding.get_abstract_mesh().manual_axes:  # (a loop per device)
         return step(*args)
     heads, pool, rep = PartitionSpec(None, "tensor"), PartitionSpec(None, None, "tensor"), PartitionSpec()
     return jax.shard_map(

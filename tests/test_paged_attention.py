@@ -123,7 +123,8 @@ def test_decode_step_runs_the_kernel_on_tpu_heads_split_over_tensor():
     """On a mesh of 4 abstract v5p chips (tensor 4) `decode_step` of layer 1 of a 2-layer pool
     runs the Pallas kernel on each chip's 2 of 8 kv heads (in a shard_map over tensor), and
     writes the donated pool in place: the compiler's temporaries hold less than one chip's
-    share of the pool."""
+    share of the pool. Inside a shard_map manual over tensor already (a loop per device) it calls
+    the kernel on the chip's heads as they are."""
     mesh = jax.sharding.Mesh(np.asarray(_abstract_tpu_devices()), ("tensor",))
     b, k, r, e, m, z, i = 16, 8, 4, 128, 512, 16, 8
     named = lambda *spec: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
@@ -145,6 +146,16 @@ def test_decode_step_runs_the_kernel_on_tpu_heads_split_over_tensor():
     assert "ragged_paged_attention_kernel" in compiled.as_text()
     pool_per_chip = 2 * m * z * 2 * k * e * 2 / 4
     assert compiled.memory_analysis().temp_size_in_bytes < pool_per_chip
+    arrays = (*args[:4], *args[4][:4])
+    per_device = jax.shard_map(
+        lambda q, k, v, pool, *refs: pa.decode_step(q, k, v, pool, pa.PageRefs(*refs, 1), layers=2),
+        mesh=mesh,
+        in_specs=tuple(x.sharding.spec for x in arrays),
+        out_specs=(args[0].sharding.spec, pool.sharding.spec),
+        check_vma=False,
+    )
+    with jax.set_mesh(mesh):
+        assert "ragged_paged_attention_kernel" in jax.jit(per_device).lower(*arrays).compile().as_text()
 
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="needs libtpu (abstract TPU devices)")
