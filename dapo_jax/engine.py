@@ -168,10 +168,11 @@ def _give_back(st: EngineState, release_S, own_from_S, held_S, geo: Geometry) ->
     return st._replace(free_M=free_M, free_top=st.free_top + mask_A.sum())
 
 
-def _start_rows(st: EngineState, prompts: Prompts, group: int, geo: Geometry) -> EngineState:
-    """Free slots take the waiting rows in order while one free page is left per running row
-    (a row whose prompt ends in a partial page takes one for its copy); a starting row's table
-    names its prompt's shared pages."""
+def _start_rows(st: EngineState, prompts: Prompts, group: int, geo: Geometry, starts: int) -> EngineState:
+    """At most `starts` free slots take the waiting rows in order while one free page is left per
+    running row (a row whose prompt ends in a partial page takes one for its copy); a starting
+    row's table names its prompt's shared pages. The partial pages are copied `starts` at a
+    time: a copy for every slot read and wrote S pages in every layer each step."""
     b = geo.rows
     free_S = st.row_S >= b
     k_S = jnp.cumsum(free_S) - 1
@@ -179,19 +180,21 @@ def _start_rows(st: EngineState, prompts: Prompts, group: int, geo: Geometry) ->
     p_S = jnp.minimum(row_S, b - 1) // group
     cost_S = jnp.where(free_S & (row_S < b), prompts.partial_P[p_S], 0)
     running = geo.slots - free_S.sum()
-    start_S = free_S & (row_S < b) & (jnp.cumsum(cost_S) + running + k_S + 1 <= st.free_top)
+    start_S = free_S & (row_S < b) & (jnp.cumsum(cost_S) + running + k_S + 1 <= st.free_top) & (k_S < starts)
     i_I = jnp.arange(geo.table_pages)
     prompt_SxI = p_S[:, None] * geo.prompt_pages + i_I
     table_SxI = jnp.where(start_S[:, None] & (i_I < prompts.shared_P[p_S][:, None]), prompt_SxI, st.table_SxI)
     st = st._replace(table_SxI=table_SxI)
     copy_S = start_S & prompts.partial_P[p_S]
     st, _ = _take_pages(st, copy_S, prompts.shared_P[p_S], geo)
-    src_S = p_S * geo.prompt_pages + prompts.shared_P[p_S]
-    dst_S = jnp.where(copy_S, st.table_SxI[jnp.arange(geo.slots), prompts.shared_P[p_S]], geo.pool_pages)
-    # Unconditional (slots that start no row copy to page M: dropped): a lax.cond here copied
-    # the whole pool in and out of its branches every step (aot --programs=engine, 7B: a layer's
-    # step 0.785 -> 0.565 GiB without it).
-    pool = copy_pages(st.pool, src_S, dst_S, geo.pool_pages)
+    # copy x: the x-th copying slot's (slot S and page M: no copy); unconditional, as a lax.cond
+    # here copied the whole pool in and out of its branches every step (aot --programs=engine,
+    # 7B: a layer's step 0.785 -> 0.565 GiB without it)
+    slot_X = jnp.searchsorted(jnp.cumsum(copy_S), jnp.arange(starts) + 1, side="left")
+    at_X = jnp.minimum(slot_X, geo.slots - 1)
+    src_X = p_S[at_X] * geo.prompt_pages + prompts.shared_P[p_S[at_X]]
+    dst_X = jnp.where(slot_X < geo.slots, st.table_SxI[at_X, prompts.shared_P[p_S[at_X]]], geo.pool_pages)
+    pool = copy_pages(st.pool, src_X, dst_X, geo.pool_pages)
     return st._replace(
         row_S=jnp.where(start_S, row_S, st.row_S),
         step_S=jnp.where(start_S, 0, st.step_S),
@@ -247,6 +250,12 @@ def _decode(model, params, config, geo: Geometry, prompts: Prompts, group: int, 
     return st, run_S, done_S, pos_S + run_S
 
 
+def starts_per_step(geo: Geometry) -> int:
+    """Rows a decode step may start, ceil(S / 8): a row ending while as many have started this
+    step waits one step for its slot (its tokens unchanged); the first S start before the loop."""
+    return -(-geo.slots // 8)
+
+
 def step(model, params, config, geo: Geometry, prompts: Prompts, group: int, u_BxN, st: EngineState):
     """Decode; free the slots and own pages of the ended rows and, when every running row waits
     for a page, of the last started row (which waits to start again); start waiting rows."""
@@ -264,7 +273,7 @@ def step(model, params, config, geo: Geometry, prompts: Prompts, group: int, u_B
         waiting_B=st.waiting_B.at[jnp.where(victim_S, st.row_S, b)].set(True, mode="drop"),
         preemptions=st.preemptions + stuck,
     )
-    return _start_rows(st, prompts, group, geo)
+    return _start_rows(st, prompts, group, geo, starts_per_step(geo))
 
 
 def initial_state(pool_AxZxUxE, geo: Geometry, n_new: int, pad_id: int) -> EngineState:
@@ -309,7 +318,7 @@ def paged_rollout(model, config: sampler.SamplingConfig, group: int, params, pro
     st = st._replace(
         free_M=jnp.arange(geo.pool_pages, dtype=jnp.int32)[::-1], free_top=jnp.int32(geo.pool_pages - held)
     )
-    st = _start_rows(st, prompts, group, geo)
+    st = _start_rows(st, prompts, group, geo, geo.slots)
     body = lambda st: step(model, params, config, geo, prompts, group, u_BxN, st)
     st = jax.lax.while_loop(lambda st: jnp.any(st.row_S < geo.rows) | st.waiting_B.any(), body, st)
     outputs = sampler._outputs(st.tokens_BxN, st.logp_BxN, st.ended_B, st.length_B)
