@@ -382,7 +382,7 @@ def engine_rows(c, cfg: model.ModelConfig, devices, chip: Chip, hbm_gib: float) 
     if kernel:  # the kernel's page fetches, which the program's HLO does not show
         compiled_step += count.kernel_pairs * count.page_bytes / count.steps
     else:
-        compiled_step += cfg.num_layers * pair * (pairs_per_step - geo.slots)
+        compiled_step += cfg.num_layers * pair * (pairs_per_step - paged_attention.RUN_PAGES * geo.slots)
     body = whole.get("engine", math.nan) - whole.get("engine_prefill", math.nan)
     roofline = count.bytes_per_step
     seconds_of = lambda per_step: count.steps * per_step / (chip.hbm_gbps * 1e9)
@@ -444,9 +444,9 @@ def _step_bytes(p, paged, devices, slots: int) -> tuple[list[float], float, floa
     """HBM bytes of one decode step of every shard's engine as its own program
     (`engine_cost.step_program`, layers unrolled) at 1 and 2 layers, which `engine_rows`
     extrapolates to the model's layers; of one (row, page) pair of the pure-JAX attention (one
-    layer's `paged_decode_attention` on one chip at blocks of S and 2S pairs), by which it scales
-    the step's attention loop (one block of S pairs counted) to the mean step's pairs; and of the
-    Pallas kernel's layer (compiled on TPU only; 0.0 elsewhere)."""
+    layer's `paged_decode_attention` on one chip at blocks of S and 2S pages), by which it scales
+    the step's attention loop (one block of `RUN_PAGES` x S pages counted) to the mean step's
+    pairs; and of the Pallas kernel's layer (compiled on TPU only; 0.0 elsewhere)."""
     step = []
     for layers in (1, 2):
         fn, args, _ = engine_cost.step_program(p, paged, layers)

@@ -10,10 +10,10 @@ The model's L layers keep their pools in one array, `pool_AxZxUxE` (A = L x M: l
 at l x M + p), which a decode step's layers update in place one after another (`decode_step`).
 
 Two attentions over it, the same numbers to float rounding:
-- `paged_decode_attention` (pure JAX, any backend): the (row, page) pairs that hold keys, in
-  blocks of `block_pages` pairs, one `while_loop` iteration a block (as many as the pairs need),
-  partial softmaxes merged per row. Its cost follows the sum of the rows' lengths, not the rows
-  times the longest.
+- `paged_decode_attention` (pure JAX, any backend): the runs of `run_pages` consecutive pages
+  that hold a row's keys, `block_pages` pages of them at a time, one `while_loop` iteration a
+  block (as many as the runs need), partial softmaxes merged per row. Its cost follows the sum of
+  the rows' lengths (to a run), not the rows times the longest.
 - `kernel_decode_attention`: the Pallas TPU kernel itself (compiles for TPU only).
 `decode_step` runs the kernel where the mesh's devices are TPUs (`uses_kernel`), else the pure path.
 """
@@ -54,50 +54,78 @@ def write_pages(pages_MxZxUxE, k_BxKxE, v_BxKxE, page_B, slot_B):
     return pages_MxZxUxE.at[page_B, slot_B].set(kv_BxUxE, mode="drop")
 
 
-def _block_partials(q_BxKxRxE, pages_MxZxUxE, lengths_B, table_BxI, pair_C, first_page_B, pairs_end_B):
-    """Softmax partials of C (row, page) pairs: `(row_C, max_CxKxR, sum_CxKxR, out_CxKxRxE)`,
-    row B for a pair past the last."""
+RUN_PAGES = 4  # pages of one row a run reads at once: one query against run x Z keys
+
+
+class _Runs(NamedTuple):
+    """The (row, run) pairs that hold keys, row by row, padded to whole blocks (row B: none)."""
+
+    row_X: jax.Array
+    pages_XxR: jax.Array  # the run's page ids (pages past the row's table: page 0, masked)
+    first_key_X: jax.Array  # the row's key in the run's first slot
+
+
+def _runs(lengths_B, table_BxI, z: int, run: int, block: int) -> tuple[_Runs, jax.Array]:
+    """`(runs, count)`: row b's ceil(lengths_B[b] / (run x Z)) runs in order, then empty ones up
+    to whole blocks of `block` runs; `count` the runs that hold keys."""
+    b, i = table_BxI.shape
+    per_row = -(-i // run)
+    table_BxYxR = jnp.pad(table_BxI, ((0, 0), (0, per_row * run - i))).reshape(b, per_row, run)
+    runs_B = -(-lengths_B // (run * z))
+    ends_B = jnp.cumsum(runs_B)
+    x_X = jnp.arange(-(-(b * per_row) // block) * block, dtype=jnp.int32)
+    row_X = jnp.searchsorted(ends_B, x_X, side="right").astype(jnp.int32)
+    row_x = jnp.minimum(row_X, b - 1)
+    y_X = jnp.clip(x_X - (ends_B - runs_B)[row_x], 0, per_row - 1)  # the run's place in its row
+    runs = _Runs(row_X, table_BxYxR[row_x, y_X], y_X * run * z)
+    # materialised here: fused into the loop's page gather, this index arithmetic ran once per
+    # gathered element (XLA:CPU's gather fusion), the gather ~3x slower
+    return jax.lax.optimization_barrier(runs), ends_B[-1]
+
+
+def _block_partials(q_BxKxRxE, pages_MxZxUxE, lengths_B, runs: _Runs):
+    """Softmax partials of C runs: `(row_C, max_CxKxR, sum_CxKxR, out_CxKxRxE)`, row B for a
+    run past the last."""
     b = q_BxKxRxE.shape[0]
-    z = pages_MxZxUxE.shape[1]
-    row_C = jnp.searchsorted(pairs_end_B, pair_C, side="right").astype(jnp.int32)
-    valid_C = row_C < b
-    row_c = jnp.minimum(row_C, b - 1)
-    j_C = pair_C - first_page_B[row_c]  # the pair's page within its row
-    page_C = table_BxI[row_c, jnp.clip(j_C, 0, table_BxI.shape[1] - 1)]
-    kv_CxZxUxE = pages_MxZxUxE[page_C].astype(jnp.float32)
-    k_CxZxKxE, v_CxZxKxE = kv_CxZxUxE[:, :, 0::2], kv_CxZxUxE[:, :, 1::2]
-    q_CxKxRxE = q_BxKxRxE[row_c].astype(jnp.float32) / math.sqrt(q_BxKxRxE.shape[-1])
-    scores_CxKxRxZ = jnp.einsum("ckre,czke->ckrz", q_CxKxRxE, k_CxZxKxE)
-    keys_CxZ = j_C[:, None] * z + jnp.arange(z)
-    held_CxZ = (keys_CxZ < lengths_B[row_c][:, None]) & valid_C[:, None]
-    scores_CxKxRxZ = jnp.where(held_CxZ[:, None, None], scores_CxKxRxZ, _NEG_INF)
-    max_CxKxR = scores_CxKxRxZ.max(-1)
-    p_CxKxRxZ = jnp.exp(scores_CxKxRxZ - max_CxKxR[..., None])
-    out_CxKxRxE = jnp.einsum("ckrz,czke->ckre", p_CxKxRxZ, v_CxZxKxE)
-    return jnp.where(valid_C, row_C, b), max_CxKxR, p_CxKxRxZ.sum(-1), out_CxKxRxE
+    c, run = runs.pages_XxR.shape
+    _, z, u, e = pages_MxZxUxE.shape
+    valid_C = runs.row_X < b
+    row_c = jnp.minimum(runs.row_X, b - 1)
+    kv_CxSxUxE = pages_MxZxUxE[runs.pages_XxR].astype(jnp.float32).reshape(c, run * z, u, e)
+    k_CxSxKxE, v_CxSxKxE = kv_CxSxUxE[:, :, 0::2], kv_CxSxUxE[:, :, 1::2]
+    q_CxKxRxE = q_BxKxRxE[row_c].astype(jnp.float32) / math.sqrt(e)
+    scores_CxKxRxS = jnp.einsum("ckre,cske->ckrs", q_CxKxRxE, k_CxSxKxE)
+    keys_CxS = runs.first_key_X[:, None] + jnp.arange(run * z)
+    held_CxS = (keys_CxS < lengths_B[row_c][:, None]) & valid_C[:, None]
+    scores_CxKxRxS = jnp.where(held_CxS[:, None, None], scores_CxKxRxS, _NEG_INF)
+    max_CxKxR = scores_CxKxRxS.max(-1)
+    p_CxKxRxS = jnp.exp(scores_CxKxRxS - max_CxKxR[..., None])
+    out_CxKxRxE = jnp.einsum("ckrs,cske->ckre", p_CxKxRxS, v_CxSxKxE)
+    return jnp.where(valid_C, runs.row_X, b), max_CxKxR, p_CxKxRxS.sum(-1), out_CxKxRxE
 
 
-def paged_decode_attention(q_BxKxRxE, pages_MxZxUxE, lengths_B, table_BxI, block_pages: int):
+def paged_decode_attention(
+    q_BxKxRxE, pages_MxZxUxE, lengths_B, table_BxI, block_pages: int, run_pages: int = RUN_PAGES
+):
     """`out_BxKxRxE`: softmax(q k^T / sqrt(E)) v of one query per row over the `lengths_B[b]` keys
-    its pages hold (R queries per kv head; scores and sums in float32). The (row, page) pairs
-    holding keys are visited `block_pages` at a time, for as many blocks as they fill; each
-    block's partial maxima, sums and outputs merge into the rows' (flash-decoding). A row with
-    no keys gets zeros."""
+    its pages hold (R queries per kv head; scores and sums in float32). Each row's pages are
+    read in runs of `run_pages` consecutive ones of its table (its last run masked past its
+    keys), `block_pages` pages a block (at least one run), for as many blocks as the runs fill;
+    each block's partial maxima, sums and outputs merge into the rows' (flash-decoding). Runs of
+    one page scored each page's Z keys as a dot of its own; a run's R x (run x Z) scores are one
+    (bench_rollout: the step's attention ~1.3x less CPU time at 4). A row with no keys gets zeros."""
     q_BxKxRxE, pages_MxZxUxE, lengths_B, table_BxI = map(
         jnp.asarray, (q_BxKxRxE, pages_MxZxUxE, lengths_B, table_BxI)
     )
     b, k, r, e = q_BxKxRxE.shape
-    z = pages_MxZxUxE.shape[1]
-    pages_B = -(-lengths_B // z)
-    pairs_end_B = jnp.cumsum(pages_B)
-    first_page_B = pairs_end_B - pages_B
+    run = min(run_pages, table_BxI.shape[1])
+    c = max(block_pages // run, 1)
+    runs, count = _runs(lengths_B, table_BxI, pages_MxZxUxE.shape[1], run, c)
 
     def block(carry):
         i, max_BxKxR, sum_BxKxR, out_BxKxRxE = carry
-        pair_C = i * block_pages + jnp.arange(block_pages, dtype=jnp.int32)
-        row_C, m_C, s_C, o_C = _block_partials(
-            q_BxKxRxE, pages_MxZxUxE, lengths_B, table_BxI, pair_C, first_page_B, pairs_end_B
-        )
+        runs_C = _Runs(*(jax.lax.dynamic_slice_in_dim(x, i * c, c) for x in runs))
+        row_C, m_C, s_C, o_C = _block_partials(q_BxKxRxE, pages_MxZxUxE, lengths_B, runs_C)
         new_max = max_BxKxR.at[row_C].max(m_C, mode="drop")
         old_scale = jnp.exp(max_BxKxR - new_max)
         pair_scale = jnp.exp(m_C - new_max[jnp.minimum(row_C, b - 1)])
@@ -107,14 +135,13 @@ def paged_decode_attention(q_BxKxRxE, pages_MxZxUxE, lengths_B, table_BxI, block
         )
         return i + 1, new_max, sum_BxKxR, out_BxKxRxE
 
-    blocks = -(-pairs_end_B[-1] // block_pages)
     init = (
         jnp.zeros((), jnp.int32),
         jnp.full((b, k, r), _NEG_INF, jnp.float32),
         jnp.zeros((b, k, r), jnp.float32),
         jnp.zeros((b, k, r, e), jnp.float32),
     )
-    _, _, sum_BxKxR, out_BxKxRxE = jax.lax.while_loop(lambda c: c[0] < blocks, block, init)
+    _, _, sum_BxKxR, out_BxKxRxE = jax.lax.while_loop(lambda carry: carry[0] * c < count, block, init)
     return (out_BxKxRxE / jnp.maximum(sum_BxKxR, 1e-30)[..., None]).astype(q_BxKxRxE.dtype)
 
 
@@ -161,7 +188,7 @@ def decode_step(q_BxKxRxE, k_BxKxE, v_BxKxE, pool_AxZxUxE, refs: PageRefs, layer
     in a `jax.shard_map` over the mesh's `tensor` axis (a Mosaic kernel is not partitioned: each
     chip writes and reads its K / T kv heads, 2K / T combined ones of the pool as it lies), or
     directly where `tensor` is manual already (a loop per device holds its heads); elsewhere by
-    `paged_decode_attention`, in blocks of B (row, page) pairs."""
+    `paged_decode_attention`, in blocks of B runs (`RUN_PAGES` x B pages)."""
     m = pool_AxZxUxE.shape[0] // layers
     first = refs.layer * m
     page_B = jnp.where(refs.write_page_B < m, first + refs.write_page_B, pool_AxZxUxE.shape[0])
@@ -173,7 +200,8 @@ def decode_step(q_BxKxRxE, k_BxKxE, v_BxKxE, pool_AxZxUxE, refs: PageRefs, layer
         if kernel:
             return kernel_decode_attention(q_BxKxRxE, pool_AxZxUxE, lengths_B, table_BxI), pool_AxZxUxE
         b = q_BxKxRxE.shape[0]
-        return paged_decode_attention(q_BxKxRxE, pool_AxZxUxE, lengths_B, table_BxI, b), pool_AxZxUxE
+        out_BxKxRxE = paged_decode_attention(q_BxKxRxE, pool_AxZxUxE, lengths_B, table_BxI, RUN_PAGES * b)
+        return out_BxKxRxE, pool_AxZxUxE
 
     args = (q_BxKxRxE, k_BxKxE, v_BxKxE, pool_AxZxUxE, page_B, refs.write_slot_B, refs.lengths_B, table_BxI)
     if not kernel or "tensor" in jax.sharding.get_abstract_mesh().manual_axes:  # (a loop per device)

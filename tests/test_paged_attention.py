@@ -38,12 +38,14 @@ def _reference(q, pages, lengths, table):
     return np.asarray(out).reshape(b, k, r, e)
 
 
+@pytest.mark.parametrize("run_pages", [1, 2, 4])
 @pytest.mark.parametrize("block_pages", [1, 3, 64])
-def test_paged_decode_attention_equals_the_kernels_reference(block_pages):
-    """Rows of 1 key, of a page and one key, of whole pages, of many pages; blocks of one pair,
-    blocks that cut rows, one block for all: the reference kernel's outputs."""
+def test_paged_decode_attention_equals_the_kernels_reference(block_pages, run_pages):
+    """Rows of 1 key, of a page and one key, of whole pages, of many pages; runs of one page, of
+    two (rows of an odd number of pages), of four (tables of 6 pages: the last run past them);
+    blocks of one run, blocks that cut rows, one block for all: the reference kernel's outputs."""
     q, pages, lengths, table = _case([1, 5, 8, 17, 3, 12])
-    got = pa.paged_decode_attention(q, pages, lengths, table, block_pages)
+    got = pa.paged_decode_attention(q, pages, lengths, table, block_pages, run_pages)
     np.testing.assert_allclose(np.asarray(got), _reference(q, pages, lengths, table), atol=2e-6)
 
 
