@@ -361,28 +361,14 @@ def engine_rows(c, cfg: model.ModelConfig, devices, chip: Chip, hbm_gib: float) 
     - `engine_step`: one decode step's bytes (`_step_bytes`) against the roofline; where the model
       runs the Pallas kernel (a TPU mesh), plus the pages the kernel fetches
       (`EngineCount.kernel_pairs`: its DMAs, which no count of the compiled program sees)."""
-    paged = c.copy_and_resolve_references()
-    paged.rollout.paged = True
-    p = programs.build(paged, cfg, (0,), 0, devices)
-    sh, s = engine_cost.shard(p, paged), programs.program_sizes(paged)
-    geo, n_new, tensor = sh.geometry, paged.rollout.max_new_tokens, p.rollout_mesh.shape["tensor"]
-    prompt_B, response_B = dapo_rows(geo.rows, s.prompt_len, n_new)
-    block = min(paged_attention.KERNEL_BLOCK_PAGES, geo.table_pages)
-    count = engine_cost.engine_count(
-        p.rollout_model.config, tensor, prompt_B, response_B, geo.page_size, geo.slots, block
-    )
-    print(f"engine per data shard: {sh.prompts} prompts, {geo}", flush=True)
+    paged, p, sh, count, response_B = _engine_count(c, cfg, devices)
+    s, geo, tensor = programs.program_sizes(paged), sh.geometry, p.rollout_mesh.shape["tensor"]
     flops = model_flops(cfg, s.rollout_prompts * s.prompt_len, s.prompt_len / 2)
     decode_flops = model_flops(cfg, count.tokens * sh.shards, count.pairs * geo.page_size / count.tokens)
     rows, whole = _engine_programs(p, paged, devices, chip, hbm_gib, flops, decode_flops)
     step, pair, kernel_layer = _step_bytes(p, paged, devices, geo.slots)
-    pairs_per_step = count.pairs / count.steps  # per layer, the shard's rows together
-    compiled_step = step[0] + (step[1] - step[0]) * (cfg.num_layers - 1)
     kernel = paged_attention.uses_kernel(p.rollout_mesh)
-    if kernel:  # the kernel's page fetches, which the program's HLO does not show
-        compiled_step += count.kernel_pairs * count.page_bytes / count.steps
-    else:
-        compiled_step += cfg.num_layers * pair * (pairs_per_step - paged_attention.RUN_PAGES * geo.slots)
+    compiled_step = _compiled_step(step, pair, kernel, count, cfg.num_layers, geo.slots)
     body = whole.get("engine", math.nan) - whole.get("engine_prefill", math.nan)
     roofline = count.bytes_per_step
     seconds_of = lambda per_step: count.steps * per_step / (chip.hbm_gbps * 1e9)
@@ -397,7 +383,7 @@ def engine_rows(c, cfg: model.ModelConfig, devices, chip: Chip, hbm_gib: float) 
         step_bytes_1_2_layers=step,
         pair_bytes=pair,
         page_bytes=count.page_bytes / cfg.num_layers,
-        pairs_per_step=pairs_per_step,
+        pairs_per_step=count.pairs / count.steps,  # per layer, the shard's rows together
         compiled_step_gib=compiled_step / GIB,
         loop_body_gib=body / GIB,
         roofline_step_gib=roofline / GIB,
@@ -416,6 +402,36 @@ def engine_rows(c, cfg: model.ModelConfig, devices, chip: Chip, hbm_gib: float) 
     )
     print(_engine_step_text(row, geo), flush=True)
     return [*rows, row]
+
+
+def _engine_count(c, cfg: model.ModelConfig, devices):
+    """`(config, programs, shard, count, response_B)`: `c` with `rollout.paged` on, its programs
+    on `devices`, a data shard's sizes (`engine_cost.shard`) and the hand count of its decode at
+    DAPO's lengths (`dapo_rows`, `engine_cost.engine_count`)."""
+    paged = c.copy_and_resolve_references()
+    paged.rollout.paged = True
+    p = programs.build(paged, cfg, (0,), 0, devices)
+    sh, s = engine_cost.shard(p, paged), programs.program_sizes(paged)
+    geo, tensor = sh.geometry, p.rollout_mesh.shape["tensor"]
+    prompt_B, response_B = dapo_rows(geo.rows, s.prompt_len, paged.rollout.max_new_tokens)
+    block = min(paged_attention.KERNEL_BLOCK_PAGES, geo.table_pages)
+    count = engine_cost.engine_count(
+        p.rollout_model.config, tensor, prompt_B, response_B, geo.page_size, geo.slots, block
+    )
+    print(f"engine per data shard: {sh.prompts} prompts, {geo}", flush=True)
+    return paged, p, sh, count, response_B
+
+
+def _compiled_step(step, pair: float, kernel: bool, count, layers: int, slots: int) -> float:
+    """A decode step's HBM bytes from `_step_bytes` (`step`: 1 and 2 layers, extrapolated to
+    `layers`), plus what its one compiled attention block leaves out: with the Pallas kernel the
+    pages it fetches by DMA (`count.kernel_pairs`, which the program's HLO does not show), with the
+    pure path the mean step's (row, page) pairs past the block's RUN_PAGES x S, at `pair` bytes."""
+    compiled = step[0] + (step[1] - step[0]) * (layers - 1)
+    if kernel:
+        return compiled + count.kernel_pairs * count.page_bytes / count.steps
+    pairs_per_step = count.pairs / count.steps
+    return compiled + layers * pair * (pairs_per_step - paged_attention.RUN_PAGES * slots)
 
 
 def _engine_programs(p, paged, devices, chip: Chip, hbm_gib: float, flops: float, decode_flops: float):
