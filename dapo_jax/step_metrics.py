@@ -1,6 +1,6 @@
 """A training step's metrics from its host-side records: the trained rows' data/*, the sampler's
 agreement with log pi_old (rollout/logp_diff_*), the updates' actor/*, and timing/* and
-throughput/* (docs/dapo_spec.md section 7 names them; `metrics.RECIPE_NAMES` maps them to the
+throughput/* (docs/dapo_spec.md section 10 names them; `metrics.RECIPE_NAMES` maps them to the
 recipe's)."""
 
 from __future__ import annotations
