@@ -188,8 +188,7 @@ def _start_rows(st: EngineState, prompts: Prompts, group: int, geo: Geometry, st
     copy_S = start_S & prompts.partial_P[p_S]
     st, _ = _take_pages(st, copy_S, prompts.shared_P[p_S], geo)
     # copy x: the x-th copying slot's (slot S and page M: no copy); unconditional, as a lax.cond
-    # here copied the whole pool in and out of its branches every step (aot --programs=engine,
-    # 7B: a layer's step 0.785 -> 0.565 GiB without it)
+    # here copied the whole pool in and out of its branches every step (docs/tpu_32b_plan.md)
     slot_X = jnp.searchsorted(jnp.cumsum(copy_S), jnp.arange(starts) + 1, side="left")
     at_X = jnp.minimum(slot_X, geo.slots - 1)
     src_X = p_S[at_X] * geo.prompt_pages + prompts.shared_P[p_S[at_X]]

@@ -79,7 +79,7 @@ def _runs(lengths_B, table_BxI, z: int, run: int, block: int) -> tuple[_Runs, ja
     y_X = jnp.clip(x_X - (ends_B - runs_B)[row_x], 0, per_row - 1)  # the run's place in its row
     runs = _Runs(row_X, table_BxYxR[row_x, y_X], y_X * run * z)
     # materialised here: fused into the loop's page gather, this index arithmetic ran once per
-    # gathered element (XLA:CPU's gather fusion), the gather ~3x slower
+    # gathered element (XLA:CPU's gather fusion; experiments/README.md)
     return jax.lax.optimization_barrier(runs), ends_B[-1]
 
 
@@ -113,7 +113,7 @@ def paged_decode_attention(
     keys), `block_pages` pages a block (at least one run), for as many blocks as the runs fill;
     each block's partial maxima, sums and outputs merge into the rows' (flash-decoding). Runs of
     one page scored each page's Z keys as a dot of its own; a run's R x (run x Z) scores are one
-    (bench_rollout: the step's attention ~1.3x less CPU time at 4). A row with no keys gets zeros."""
+    (figures: experiments/README.md). A row with no keys gets zeros."""
     q_BxKxRxE, pages_MxZxUxE, lengths_B, table_BxI = map(
         jnp.asarray, (q_BxKxRxE, pages_MxZxUxE, lengths_B, table_BxI)
     )
