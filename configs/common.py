@@ -1,8 +1,13 @@
-"""Pieces shared by the config files: plain functions returning ConfigDicts, no logic."""
+"""Pieces shared by the config files: the sections' schema (each key with its type, its range or
+allowed values, and what None means where it is allowed: `dapo_jax.config_schema`), and plain
+functions returning ConfigDicts, no logic. A variant gives each section's values by keyword."""
 
 import ml_collections
 
+from dapo_jax import objective, rollout_correction, train_step
+from dapo_jax.config_schema import Spec, section
 from dapo_jax.data import DEFAULT_TEMPLATE
+from dapo_jax.dynamic_sampling import FILTER_METRICS, ON_EXHAUSTED
 
 DAPO_TEMPLATE = DEFAULT_TEMPLATE  # docs/dapo_spec.md section 6
 TINY_MODEL = "assets/tiny-qwen2"
@@ -13,56 +18,213 @@ SMOLLM2_MODEL = "models/smollm2-135m-instruct"
 SMOLLM2_TRAIN = "data/smollm2/train.parquet"
 SMOLLM2_TEST = "data/smollm2/test.parquet"
 
+POSITIVE, COUNT = "[1, inf)", "[0, inf)"
+
+
+def root(**values) -> ml_collections.ConfigDict:
+    """The config's top-level keys; the sections are set on it."""
+    return section(
+        values,
+        seed=Spec(int, COUNT),
+        cpu_devices=Spec(int, COUNT),  # XLA:CPU devices a host's CPU is split into (0: JAX's one)
+        # Compiled programs kept across relaunches and hosts ("": <workdir>/compilation_cache, or
+        # the environment's JAX_COMPILATION_CACHE_DIR; a gs:// folder is shared by every host of a slice)
+        compilation_cache_dir=Spec(str),
+    )
+
+
+def model(**values) -> ml_collections.ConfigDict:
+    """The policy's folder and numerics (dapo_jax.model.ModelConfig's fields of the same names)."""
+    return section(
+        values,
+        path=Spec(str),  # a model folder or a Hugging Face id (dapo_jax.hub)
+        tokenizer_path=Spec(str),  # "": model.path's tokenizer
+        dtype=Spec(str),  # compute dtype
+        param_dtype=Spec(str),
+        remat=Spec(bool),  # rematerialise each decoder layer in the backward pass
+        remat_policy=Spec(str),  # a jax.checkpoint_policies name: what remat keeps
+        attention_chunk=Spec(int, COUNT),  # queries per block of the trainer's attention (0: all)
+        scan_layers=Spec(bool),  # one compiled layer body (nn.scan)
+        logits_chunk=Spec(int, COUNT),  # tokens per block of LM head + log-softmax (0: one block)
+        transposed_keys=Spec(bool),  # cached keys [B, K, H, S]: XLA:CPU's faster decode
+    )
+
+
+def reference(**values) -> ml_collections.ConfigDict:
+    """π_ref of the KL term (β > 0 only)."""
+    return section(values, path=Spec(str))  # "": no reference model (β = 0)
+
+
+def mesh(**values) -> ml_collections.ConfigDict:
+    """The trainer's device mesh: axis sizes, -1 for the devices left (dapo_jax.sharding)."""
+    return section(values, data=Spec(int), fsdp=Spec(int), tensor=Spec(int))
+
+
+def data(**values) -> ml_collections.ConfigDict:
+    """Prompt files and their template (docs/dapo_spec.md section 6)."""
+    return section(
+        values,
+        train_files=Spec(tuple),
+        eval_files=Spec(tuple),
+        prompt_template=Spec(str),
+        use_chat_template=Spec(bool),
+        dedup=Spec(bool),  # one row per distinct prompt
+        max_prompt_len=Spec(int, POSITIVE),  # truncated from the left
+        prompt_buckets=Spec(tuple),  # padded prompt lengths: one compiled prefill each
+    )
+
+
+def rollout(**values) -> ml_collections.ConfigDict:
+    """Sampling the G responses of each prompt (docs/dapo_spec.md section 7)."""
+    return section(
+        values,
+        group_size=Spec(int, POSITIVE),  # G responses per prompt
+        temperature=Spec(float, "(0, inf)"),
+        top_p=Spec(float, "(0, 1]"),
+        top_k=Spec(int, COUNT),  # 0: all tokens
+        max_new_tokens=Spec(int, POSITIVE),  # L_max
+        micro_batch_prompts=Spec(int, COUNT),  # prompts decoded at once (0: a generation batch)
+        decode_slots=Spec(int, COUNT),  # rows decoded at once by continuous batching (0: a fixed batch)
+        decode_chunks=Spec(int, POSITIVE),  # the fixed batch's phases
+        paged=Spec(bool),  # the engine: continuous batching over a paged KV cache
+        page_size=Spec(int, POSITIVE),  # the engine's KV slots per page
+        kv_pages=Spec(int, COUNT),  # the engine's pages per rollout loop (0: all slots at L_max)
+        tensor_parallel=Spec(int, COUNT),  # the sampler's mesh: data x tensor (0: the trainer's)
+        param_dtype=Spec(str, choices=("", "float32", "bfloat16")),  # its weights ("": model.param_dtype)
+        dtype=Spec(str, choices=("", "float32", "bfloat16")),  # its compute dtype ("": model.dtype)
+    )
+
 
 def dapo_loss() -> ml_collections.ConfigDict:
     """The DAPO objective (docs/dapo_spec.md sections 1-3)."""
-    return ml_collections.ConfigDict(
-        dict(
-            eps_low=0.2,  # ε_low, lower clip of r_{i,t}
-            eps_high=0.28,  # ε_high, Clip-Higher
-            clip_ratio_c=10.0,  # c, dual-clip bound for A < 0 (0 = off)
-            agg_mode="token-mean",  # token-level policy-gradient loss
-            norm_const=0,  # L_const of seq-mean-token-sum-norm (0 = L_max)
-            beta=0.0,  # β, k3 KL to the reference policy (DAPO: none)
-            entropy_coef=0.0,  # entropy bonus coefficient (entropy is logged always)
-            normalize_std=True,  # A_i = (R_i - mean) / (std + 1e-6); False = Dr.GRPO
-            old_logp="recompute",  # log pi_old: "recompute" (recipe), "sampler" or "detached" (1 update)
-            # Mismatch correction pi_old / pi_sampler (verl's algorithm.rollout_correction; the recipe
-            # has none): importance weights "token" or "sequence", truncated at the threshold, and
-            # rejection "token", "sequence" or "geometric" outside [lower (0: 1 / upper), upper].
-            rollout_is="",
-            rollout_is_threshold=2.0,
-            rollout_rs="",
-            rollout_rs_threshold=2.0,
-            rollout_rs_threshold_lower=0.0,
-        )
+    return section(
+        {},
+        eps_low=Spec(float, "[0, 1)", default=0.2),  # ε_low, lower clip of r_{i,t}
+        eps_high=Spec(float, COUNT, default=0.28),  # ε_high, Clip-Higher
+        clip_ratio_c=Spec(float, COUNT, default=10.0),  # c, dual-clip bound for A < 0 (0 = off)
+        agg_mode=Spec(str, choices=objective.AGG_MODES, default="token-mean"),  # token-level loss
+        norm_const=Spec(int, COUNT, default=0),  # L_const of seq-mean-token-sum-norm (0 = L_max)
+        beta=Spec(float, COUNT, default=0.0),  # β, k3 KL to the reference policy (DAPO: none)
+        entropy_coef=Spec(float, COUNT, default=0.0),  # entropy bonus coefficient (entropy is logged always)
+        normalize_std=Spec(bool, default=True),  # A_i = (R_i - mean) / (std + 1e-6); False = Dr.GRPO
+        # log pi_old: "recompute" (the recipe), "sampler" or "detached" (one update a rollout batch)
+        old_logp=Spec(str, choices=train_step.OLD_LOGP, default="recompute"),
+        # Mismatch correction pi_old / pi_sampler (verl's algorithm.rollout_correction; the recipe
+        # has none): importance weights "token" or "sequence", truncated at the threshold, and
+        # rejection "token", "sequence" or "geometric" outside [lower (0: 1 / upper), upper].
+        rollout_is=Spec(str, choices=rollout_correction.IS_LEVELS, default=""),
+        rollout_is_threshold=Spec(float, "(0, inf)", default=2.0),
+        rollout_rs=Spec(str, choices=rollout_correction.RS_LEVELS, default=""),
+        rollout_rs_threshold=Spec(float, "(0, inf)", default=2.0),
+        rollout_rs_threshold_lower=Spec(float, COUNT, default=0.0),
     )
 
 
 def dapo_reward(overlong_buffer: int) -> ml_collections.ConfigDict:
     """math_dapo score plus soft overlong punishment (docs/dapo_spec.md sections 4 and 6)."""
-    return ml_collections.ConfigDict(
-        dict(
-            fn="math_dapo",  # a name in dapo_jax.math_answers.REWARD_FNS
-            timeout_s=10.0,  # per-call limit; a hung or raising reward scores as wrong
-            num_workers=2,  # reward worker processes
-            overlong_penalty=True,  # soft overlong punishment, added to the score
-            overlong_buffer=overlong_buffer,  # L_buf; the penalty ramps over (L_max - L_buf, L_max]
-            overlong_factor=1.0,  # penalty at L = L_max
-            overlong_filter=False,  # mask the loss of truncated responses
-        )
+    return section(
+        dict(overlong_buffer=overlong_buffer),
+        fn=Spec(str, default="math_dapo"),  # a name in dapo_jax.math_answers.REWARD_FNS
+        # per-call limit; a hung or raising reward scores as wrong
+        timeout_s=Spec(float, "(0, inf)", default=10.0),
+        num_workers=Spec(int, POSITIVE, default=2),  # reward worker processes
+        overlong_penalty=Spec(bool, default=True),  # soft overlong punishment, added to the score
+        overlong_buffer=Spec(int, POSITIVE),  # L_buf; the penalty ramps over (L_max - L_buf, L_max]
+        overlong_factor=Spec(float, COUNT, default=1.0),  # penalty at L = L_max
+        overlong_filter=Spec(bool, default=False),  # mask the loss of truncated responses
     )
 
 
 def dynamic_sampling(gen_batch_prompts: int, max_num_gen_batches: int) -> ml_collections.ConfigDict:
     """The host-side filter of docs/dapo_spec.md section 5."""
-    return ml_collections.ConfigDict(
-        dict(
-            enable=True,  # keep only groups whose metric is not all-equal
-            metric="acc",  # acc (the recipe's DAPO script), score or reward
-            gen_batch_prompts=gen_batch_prompts,
-            max_num_gen_batches=max_num_gen_batches,  # bound on generation batches per step (0: none)
-            carry_over=False,  # recipe: discard kept groups beyond the train batch
-            on_exhausted="mask",  # bound hit: train on what was kept ("raise" = the recipe)
-        )
+    return section(
+        dict(gen_batch_prompts=gen_batch_prompts, max_num_gen_batches=max_num_gen_batches),
+        enable=Spec(bool, default=True),  # keep only groups whose metric is not all-equal
+        # acc (the recipe's DAPO script), score or reward
+        metric=Spec(str, choices=FILTER_METRICS, default="acc"),
+        gen_batch_prompts=Spec(int, POSITIVE),
+        max_num_gen_batches=Spec(int, COUNT),  # bound on generation batches per step (0: none)
+        carry_over=Spec(bool, default=False),  # recipe: discard kept groups beyond the train batch
+        # bound hit: train on what was kept ("raise" = the recipe)
+        on_exhausted=Spec(str, choices=ON_EXHAUSTED, default="mask"),
     )
+
+
+def optim(**values) -> ml_collections.ConfigDict:
+    """AdamW and its learning-rate schedule (dapo_jax.programs.make_optimizer)."""
+    return section(
+        values,
+        lr=Spec(float, "(0, inf)"),
+        warmup_rollout_steps=Spec(int, COUNT),  # linear warm-up over this many rollout steps
+        schedule=Spec(str),
+        weight_decay=Spec(float, COUNT),
+        grad_clip=Spec(float, "(0, inf)"),  # the global gradient norm's bound
+        b1=Spec(float, "[0, 1)"),  # AdamW β1, β2, ε
+        b2=Spec(float, "[0, 1)"),
+        eps=Spec(float, "(0, inf)"),
+    )
+
+
+def train(**values) -> ml_collections.ConfigDict:
+    """The steps and batch sizes of the update (docs/dapo_spec.md section 8)."""
+    return section(
+        values,
+        steps=Spec(int, POSITIVE),  # rollout steps of the run
+        train_batch_prompts=Spec(int, POSITIVE),  # P groups per step (after dynamic sampling)
+        mini_batch_prompts=Spec(int, POSITIVE),  # groups per update: P / this many updates a step
+        micro_batch_size=Spec(int, POSITIVE),  # packed rows (dapo_jax.packing) per micro-batch
+        length_bucket=Spec(int, POSITIVE),  # train on responses cut to a multiple of this length
+        # stop (with a checkpoint) after this many skipped updates
+        max_consecutive_nonfinite=Spec(int, POSITIVE),
+    )
+
+
+def checkpoint(**values) -> ml_collections.ConfigDict:
+    """When checkpoints are written and how many are kept (dapo_jax.checkpoint)."""
+    return section(
+        values,
+        every=Spec(int, POSITIVE),  # steps between checkpoints
+        # also after a step when that much wall clock has passed since the last one (0: off), so
+        # that a preemption loses little of a long step
+        every_minutes=Spec(float, COUNT),
+        keep=Spec(int, POSITIVE),
+        asynchronous=Spec(bool),
+    )
+
+
+def evaluation(**values) -> ml_collections.ConfigDict:
+    """The held-out evaluation (config.eval): avg@samples accuracy (dapo_jax.evaluation)."""
+    return section(
+        values,
+        every=Spec(int, COUNT),  # steps between evaluations (0: none during training)
+        samples=Spec(int, POSITIVE),  # responses per problem
+        temperature=Spec(float, "(0, inf)"),
+        top_p=Spec(float, "(0, 1]"),
+        max_problems=Spec(int, COUNT),  # the first this many problems (0: all)
+        batch_prompts=Spec(int, POSITIVE),  # problems per batch (one compiled program)
+        micro_batch_prompts=Spec(int, COUNT),  # prompts decoded at once (0: all eval.batch_prompts)
+        at_start=Spec(bool),  # also before the first step
+    )
+
+
+def export(**values) -> ml_collections.ConfigDict:
+    """The Hugging Face folder written after training (dapo_jax.export)."""
+    return section(values, dtype=Spec(str), max_shard_bytes=Spec(int, POSITIVE))
+
+
+def metrics(**values) -> ml_collections.ConfigDict:
+    """Where metrics go and the tables of sampled completions (dapo_jax.metrics)."""
+    return section(
+        values,
+        writers=Spec(str),  # comma-separated: jsonl, tensorboard, wandb
+        wandb_project=Spec(str),
+        aliases=Spec(bool),  # wandb also under verl's recipe names (metrics.RECIPE_NAMES)
+        completions_every=Spec(int, COUNT),  # steps between tables of sampled completions (0: none)
+        completions_rows=Spec(int, POSITIVE),  # responses in a table: one from each of the first groups
+        completions_chars=Spec(int, COUNT),  # the last characters of prompt and response kept (0: all)
+    )
+
+
+def profile(**values) -> ml_collections.ConfigDict:
+    """jax.profiler traces."""
+    return section(values, steps=Spec(str))  # "a,b": a trace of those steps in <workdir>/profile

@@ -23,9 +23,10 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
 
 def qwen2_5_32b() -> ml_collections.ConfigDict:
     """The official 32B run (docs/dapo_spec.md section 8): 512 prompts x G=16, 16 updates per step."""
-    c = ml_collections.ConfigDict()
-    c.seed = 0
-    c.model = dict(
+    # Compiled programs in <workdir>/compilation_cache, or the environment's JAX_COMPILATION_CACHE_DIR
+    # (a gs:// folder in compilation_cache_dir is shared by every host of a slice)
+    c = common.root(seed=0, cpu_devices=0, compilation_cache_dir="")
+    c.model = common.model(
         path="/ckpt/Qwen2.5-32B",
         tokenizer_path="",
         dtype="bfloat16",
@@ -37,13 +38,9 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
         logits_chunk=2048,
         transposed_keys=False,  # cached keys [B, K, H, S]: XLA:CPU's faster decode
     )  # LM head + log-softmax over 2048 x 152k, not 22k x 152k
-    c.reference = dict(path="")  # β = 0: no reference model is loaded or run
-    c.mesh = dict(data=1, fsdp=-1, tensor=8)  # v5p-128: 64 chips = fsdp 8 x tensor 8 (aot.py)
-    c.cpu_devices = 0  # XLA:CPU devices a host's CPU is split into (0: JAX's one); see tiny()
-    # Compiled programs kept across relaunches and hosts ("": <workdir>/compilation_cache, or the
-    # environment's JAX_COMPILATION_CACHE_DIR; a gs:// folder is shared by every host of a slice)
-    c.compilation_cache_dir = ""
-    c.data = dict(
+    c.reference = common.reference(path="")  # β = 0: no reference model is loaded or run
+    c.mesh = common.mesh(data=1, fsdp=-1, tensor=8)  # v5p-128: 64 chips = fsdp 8 x tensor 8 (aot.py)
+    c.data = common.data(
         train_files=("/data/dapo-math-17k.parquet",),
         eval_files=("/data/aime-2024.parquet",),
         prompt_template=common.DAPO_TEMPLATE,
@@ -52,7 +49,7 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
         max_prompt_len=2048,  # truncated from the left
         prompt_buckets=(512, 1024, 2048),
     )
-    c.rollout = dict(
+    c.rollout = common.rollout(
         group_size=16,  # G responses per prompt
         temperature=1.0,
         top_p=1.0,
@@ -77,7 +74,7 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
     # Warm-up over 20 rollout steps (the paper); the recipe's script sets 10 and its scheduler
     # steps once per rollout step, the first at lr 0. Here lr rises linearly over the
     # 20 x 16 updates, the first of them already at lr / 320 (dapo_jax.programs.learning_rate_schedule).
-    c.optim = dict(
+    c.optim = common.optim(
         lr=1e-6,
         warmup_rollout_steps=20,
         schedule="constant",
@@ -87,7 +84,7 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
         b2=0.999,
         eps=1e-8,
     )  # AdamW β1, β2, ε
-    c.train = dict(
+    c.train = common.train(
         steps=500,
         train_batch_prompts=512,  # P groups per step (after dynamic sampling)
         mini_batch_prompts=32,  # 32 x 16 = 512 responses: 16 updates per step
@@ -97,8 +94,8 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
     )
     # every: steps between checkpoints; every_minutes: also after a step when that much wall clock
     # has passed since the last one (0: off), so that a preemption loses little of a long step
-    c.checkpoint = dict(every=10, every_minutes=30.0, keep=3, asynchronous=True)
-    c.eval = dict(
+    c.checkpoint = common.checkpoint(every=10, every_minutes=30.0, keep=3, asynchronous=True)
+    c.eval = common.evaluation(
         every=20,
         samples=32,
         temperature=1.0,
@@ -110,8 +107,8 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
         micro_batch_prompts=8,
         at_start=True,
     )
-    c.export = dict(dtype="bfloat16", max_shard_bytes=5 * 2**30)  # HF's shard files of <= 5 GiB
-    c.metrics = dict(
+    c.export = common.export(dtype="bfloat16", max_shard_bytes=5 * 2**30)  # HF's shard files of <= 5 GiB
+    c.metrics = common.metrics(
         writers="jsonl,tensorboard",  # add ",wandb" (pip install wandb)
         wandb_project="dapo-jax",
         aliases=False,  # wandb also under verl's recipe names (metrics.RECIPE_NAMES)
@@ -119,7 +116,7 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
         completions_rows=8,  # responses in a table: one from each of the first groups
         completions_chars=2000,  # the last characters of prompt and response kept (0: all)
     )
-    c.profile = dict(steps="")  # "a,b": a jax.profiler trace of those steps in <workdir>/profile
+    c.profile = common.profile(steps="")  # "a,b": a jax.profiler trace of those steps in <workdir>/profile
     return c
 
 
@@ -129,7 +126,7 @@ def qwen2_5_32b_v5p64() -> ml_collections.ConfigDict:
     many chips, so every micro-batch is halved to keep v5p-128's rows per chip: the same
     algorithm and batch, twice the sequential micro-batches (docs/tpu_32b_plan.md)."""
     c = qwen2_5_32b()
-    c.mesh = dict(data=1, fsdp=-1, tensor=8)  # fsdp 4
+    # the mesh is v5p-128's (data 1, fsdp -1, tensor 8): fsdp 4 on 32 chips
     c.train.micro_batch_size = 8  # at 16 the update needed ~101 GiB per chip
     c.rollout.micro_batch_prompts = 8  # 128 rows, 32 on each of the 4 data groups (16: ~98 GiB)
     c.eval.micro_batch_prompts = 4  # 128 rows
@@ -140,7 +137,7 @@ def qwen2_5_7b() -> ml_collections.ConfigDict:
     """The 32B recipe on Qwen2.5-7B: same algorithm, a smaller slice (v5p-64: 32 chips)."""
     c = qwen2_5_32b()
     c.model.path = "/ckpt/Qwen2.5-7B"
-    c.mesh = dict(data=1, fsdp=-1, tensor=4)
+    c.mesh.tensor = 4
     c.rollout.tensor_parallel = 4
     c.train.micro_batch_size = 32  # at 64 the train step needed 96.2 GiB per v5p chip
     return c
@@ -152,7 +149,7 @@ def qwen3_8b() -> ml_collections.ConfigDict:
     response, 2048 + 20480 tokens, fit its 32768 positions."""
     c = qwen2_5_32b()
     c.model.path = "/ckpt/Qwen3-8B-Base"
-    c.mesh = dict(data=1, fsdp=-1, tensor=4)  # 8 KV heads: 2 on each tensor shard
+    c.mesh.tensor = 4  # 8 KV heads: 2 on each tensor shard
     c.rollout.tensor_parallel = 4
     c.rollout.micro_batch_prompts = 16  # twice Qwen2.5-7B's KV heads: at 32, 133 GiB per chip (aot)
     c.train.micro_batch_size = 32
@@ -161,9 +158,10 @@ def qwen3_8b() -> ml_collections.ConfigDict:
 
 def tiny() -> ml_collections.ConfigDict:
     """CPU scale: the shipped tiny base model on the shipped synthetic task, a few minutes."""
-    c = ml_collections.ConfigDict()
-    c.seed = 0
-    c.model = dict(
+    # The 2-core CPU as 2 XLA devices, the data axis across them (sharding.use_cpu_devices): the
+    # faster step here (experiments/README.md). Compiled programs in <workdir>/compilation_cache.
+    c = common.root(seed=0, cpu_devices=2, compilation_cache_dir="")
+    c.model = common.model(
         path=common.TINY_MODEL,
         tokenizer_path="",
         dtype="float32",
@@ -177,13 +175,9 @@ def tiny() -> ml_collections.ConfigDict:
         logits_chunk=0,
         transposed_keys=True,  # cached keys [B, K, H, S]: XLA:CPU's faster decode
     )
-    c.reference = dict(path="")  # β = 0: no reference model is loaded or run
-    c.mesh = dict(data=-1, fsdp=1, tensor=1)
-    # The 2-core CPU as 2 XLA devices, the data axis across them (sharding.use_cpu_devices): the
-    # faster step here (experiments/README.md).
-    c.cpu_devices = 2
-    c.compilation_cache_dir = ""  # "": <workdir>/compilation_cache (run.use_compilation_cache)
-    c.data = dict(
+    c.reference = common.reference(path="")  # β = 0: no reference model is loaded or run
+    c.mesh = common.mesh(data=-1, fsdp=1, tensor=1)
+    c.data = common.data(
         train_files=(common.SYNTHETIC_TRAIN,),
         eval_files=(common.SYNTHETIC_TEST,),
         prompt_template="{problem}",  # the tiny model was fine-tuned on bare problems
@@ -192,7 +186,7 @@ def tiny() -> ml_collections.ConfigDict:
         max_prompt_len=48,
         prompt_buckets=(48,),
     )
-    c.rollout = dict(
+    c.rollout = common.rollout(
         group_size=8,  # G responses per prompt
         temperature=1.0,
         top_p=1.0,
@@ -215,7 +209,7 @@ def tiny() -> ml_collections.ConfigDict:
     # moved nothing in 20-30 steps, 3e-4 lost accuracy; on the shipped model 1e-4 with 4 updates a
     # rollout batch (mini-batches of 8 prompts x G) took held-out accuracy from 0.32 to 0.48 in
     # 10 steps and 0.52 in 40.
-    c.optim = dict(
+    c.optim = common.optim(
         lr=1e-4,
         warmup_rollout_steps=2,
         schedule="constant",
@@ -225,7 +219,7 @@ def tiny() -> ml_collections.ConfigDict:
         b2=0.999,
         eps=1e-8,
     )  # AdamW β1, β2, ε
-    c.train = dict(
+    c.train = common.train(
         steps=40,
         train_batch_prompts=32,  # P groups per step (after dynamic sampling)
         mini_batch_prompts=8,  # 8 x 8 = 64 responses: 4 updates per step
@@ -233,10 +227,10 @@ def tiny() -> ml_collections.ConfigDict:
         length_bucket=16,  # train on responses cut to a multiple of this length
         max_consecutive_nonfinite=5,  # stop (with a checkpoint) after this many skipped updates
     )
-    c.checkpoint = dict(every=5, every_minutes=30.0, keep=3, asynchronous=True)
+    c.checkpoint = common.checkpoint(every=5, every_minutes=30.0, keep=3, asynchronous=True)
     # Held-out at T = 1, top_p = 1 (the paper validates at top_p 0.7): the policy as it samples,
     # so the demo's before and after measure what RL trains.
-    c.eval = dict(
+    c.eval = common.evaluation(
         every=10,
         samples=4,
         temperature=1.0,
@@ -246,8 +240,8 @@ def tiny() -> ml_collections.ConfigDict:
         micro_batch_prompts=0,  # prompts decoded at once (0: all eval.batch_prompts)
         at_start=True,
     )
-    c.export = dict(dtype="float32", max_shard_bytes=5 * 2**30)
-    c.metrics = dict(
+    c.export = common.export(dtype="float32", max_shard_bytes=5 * 2**30)
+    c.metrics = common.metrics(
         writers="jsonl,tensorboard",  # add ",wandb" (pip install wandb)
         wandb_project="dapo-jax",
         aliases=False,  # wandb also under verl's recipe names (metrics.RECIPE_NAMES)
@@ -255,7 +249,7 @@ def tiny() -> ml_collections.ConfigDict:
         completions_rows=8,  # responses in a table: one from each of the first groups
         completions_chars=0,  # the last characters of prompt and response kept (0: all)
     )
-    c.profile = dict(steps="")  # "a,b": a jax.profiler trace of those steps in <workdir>/profile
+    c.profile = common.profile(steps="")  # "a,b": a jax.profiler trace of those steps in <workdir>/profile
     return c
 
 

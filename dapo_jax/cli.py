@@ -16,7 +16,7 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from dapo_jax import evaluation, hosts, metrics, overrides, paths, train
+from dapo_jax import config_schema, evaluation, hosts, metrics, overrides, paths, train
 from dapo_jax.errors import CheckpointError, ConfigError
 from dapo_jax.run import load_config_file
 
@@ -46,15 +46,20 @@ _CHECKPOINT_DIR = flags.DEFINE_string(
 )
 
 
-def _unknown_override(config, argv) -> str | None:
-    """The first `--config.a.b=...` of argv naming no key of `config`, told with the valid keys."""
+def _bad_override(config, argv) -> str | None:
+    """The first `--config.a.b=...` of argv naming no key of `config`, told with the valid keys,
+    or setting None where the key's schema has no None (config_flags cannot parse it)."""
     for arg in argv:
         if arg.startswith("--config."):
-            flag = arg.split("=")[0]
+            flag, _, value = arg.partition("=")
+            key = flag[len("--config.") :]
             try:
-                overrides.get(config, flag[len("--config.") :])
+                overrides.get(config, key)
             except ConfigError as e:
                 return f"{flag}: {e}"
+            leaves = dict(config_schema.fields(config))
+            if value == "None" and key in leaves and config_schema.problem(key, leaves[key], None):
+                return f"{flag}: {config_schema.problem(key, leaves[key], None)}"
     return None
 
 
@@ -71,7 +76,9 @@ def _config_without_overrides(argv) -> ml_collections.ConfigDict | None:
 
 
 def parse_flags(argv):
-    """absl flag parsing with one-line errors for a bad config file, variant or override key."""
+    """absl flag parsing with one-line errors for a bad config file, variant, override key or
+    value. A key whose schema allows None takes `--config.a.b=None` as well as a value
+    (`config_schema`)."""
     try:
         args = flags.FLAGS(argv)
         if CONFIG.value is not None:  # config_flags loads the file and applies overrides lazily
@@ -79,7 +86,7 @@ def parse_flags(argv):
         return args
     except Exception as e:  # noqa: BLE001 - config_flags raises whatever the config file raised
         config = _config_without_overrides(argv)
-        message = _unknown_override(config, argv) if config is not None else None
+        message = _bad_override(config, argv) if config is not None else None
         print(f"error: {message or str(e).strip().splitlines()[-1].strip()}", file=sys.stderr)
         sys.exit(2)
 

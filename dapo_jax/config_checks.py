@@ -12,93 +12,23 @@ import ml_collections
 from etils import epath
 
 from dapo_jax import (
+    config_schema,
     data,
     hf_io,
     metrics,
-    objective,
-    overrides,
     programs,
     rewards,
     sharding,
     sizes,
-    train_step,
 )
 from dapo_jax.errors import ConfigError
 from dapo_jax.run import make_filter
 
-# The range of every numeric knob, as an interval: "[a, b)" includes a and excludes b.
-_RANGES = {
-    "cpu_devices": "[0, inf)",
-    "train.steps": "[1, inf)",
-    "train.train_batch_prompts": "[1, inf)",
-    "train.mini_batch_prompts": "[1, inf)",
-    "train.micro_batch_size": "[1, inf)",
-    "train.length_bucket": "[1, inf)",
-    "train.max_consecutive_nonfinite": "[1, inf)",
-    "rollout.group_size": "[1, inf)",
-    "rollout.max_new_tokens": "[1, inf)",
-    "rollout.temperature": "(0, inf)",
-    "rollout.top_p": "(0, 1]",
-    "rollout.top_k": "[0, inf)",
-    "data.max_prompt_len": "[1, inf)",
-    "loss.eps_low": "[0, 1)",
-    "loss.eps_high": "[0, inf)",
-    "loss.clip_ratio_c": "[0, inf)",
-    "loss.norm_const": "[0, inf)",
-    "loss.beta": "[0, inf)",
-    "loss.entropy_coef": "[0, inf)",
-    "optim.lr": "(0, inf)",
-    "optim.warmup_rollout_steps": "[0, inf)",
-    "optim.weight_decay": "[0, inf)",
-    "optim.grad_clip": "(0, inf)",
-    "optim.b1": "[0, 1)",
-    "optim.b2": "[0, 1)",
-    "optim.eps": "(0, inf)",
-    "reward.timeout_s": "(0, inf)",
-    "reward.num_workers": "[1, inf)",
-    "reward.overlong_buffer": "[1, inf)",
-    "reward.overlong_factor": "[0, inf)",
-    "filter.gen_batch_prompts": "[1, inf)",
-    "filter.max_num_gen_batches": "[0, inf)",
-    "checkpoint.every": "[1, inf)",
-    "checkpoint.every_minutes": "[0, inf)",
-    "export.max_shard_bytes": "[1, inf)",
-    "checkpoint.keep": "[1, inf)",
-    "eval.every": "[0, inf)",
-    "metrics.completions_every": "[0, inf)",
-    "metrics.completions_rows": "[1, inf)",
-    "metrics.completions_chars": "[0, inf)",
-    "eval.samples": "[1, inf)",
-    "eval.temperature": "(0, inf)",
-    "eval.top_p": "(0, 1]",
-    "eval.max_problems": "[0, inf)",
-    "eval.batch_prompts": "[1, inf)",
-    "eval.micro_batch_prompts": "[0, inf)",
-    "model.attention_chunk": "[0, inf)",
-    "model.logits_chunk": "[0, inf)",
-    "rollout.micro_batch_prompts": "[0, inf)",
-    "rollout.decode_slots": "[0, inf)",
-    "rollout.decode_chunks": "[1, inf)",
-    "rollout.page_size": "[1, inf)",
-    "rollout.kv_pages": "[0, inf)",
-    "rollout.tensor_parallel": "[0, inf)",
-}
-
-
-def in_interval(value: float, interval: str) -> bool:
-    """Whether `value` lies in `interval`, written "[a, b]", "(a, b)", "[a, inf)" and so on."""
-    lo, hi = (float(x) for x in interval[1:-1].split(","))
-    above = value >= lo if interval[0] == "[" else value > lo
-    below = value <= hi if interval[-1] == "]" else value < hi
-    return above and below
-
 
 def check_ranges(c: ml_collections.ConfigDict) -> None:
-    """A ConfigError naming the first knob of `_RANGES` whose value lies outside its range."""
-    for key, interval in _RANGES.items():
-        value = overrides.get(c, key)
-        if not in_interval(value, interval):
-            raise ConfigError(f"{key} must be in {interval}, got {value!r}")
+    """A ConfigError naming the first key whose value its schema does not take (type, range,
+    allowed values, None: `config_schema.check`)."""
+    config_schema.check(c)
 
 
 def check_workdir(workdir: str) -> None:
@@ -128,13 +58,6 @@ def check_config(c: ml_collections.ConfigDict, num_devices: int | None = None) -
             "jax.checkpoint_policies name (e.g. nothing_saveable)"
         )
     _check_old_logp(c)
-    for key in ("param_dtype", "dtype"):
-        if c.rollout[key] not in ("", "float32", "bfloat16"):
-            raise ConfigError(
-                f"rollout.{key} {c.rollout[key]!r} is not '' (the trainer's), 'float32' or 'bfloat16'"
-            )
-    if c.loss.agg_mode not in objective.AGG_MODES:
-        raise ConfigError(f"loss.agg_mode {c.loss.agg_mode!r} is not one of {objective.AGG_MODES}")
     for section, make in (
         ("loss", lambda: programs.loss_config(c)),
         ("reward", lambda: rewards.get_reward_fn(c.reward.fn)),
@@ -203,12 +126,10 @@ def _check_micro_batches(c: ml_collections.ConfigDict) -> None:
 
 
 def _check_old_logp(c: ml_collections.ConfigDict) -> None:
-    """loss.old_logp is one of train_step.OLD_LOGP, and without a recompute pi_old is exact:
+    """Without a recompute pi_old is exact:
     "detached" needs one update per rollout batch, and neither takes carried-over groups (sampled
     under the params before the last update, so their sampler log-probs are not pi_old's)."""
     mode = c.loss.old_logp
-    if mode not in train_step.OLD_LOGP:
-        raise ConfigError(f"loss.old_logp {mode!r} is not one of {train_step.OLD_LOGP}")
     if mode == "detached" and c.train.train_batch_prompts != c.train.mini_batch_prompts:
         raise ConfigError(
             "loss.old_logp 'detached' needs one update per rollout batch (train.mini_batch_prompts "

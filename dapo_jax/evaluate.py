@@ -19,6 +19,7 @@ writes the files.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 
@@ -33,7 +34,7 @@ from dapo_jax.run import build
 
 def apply_overrides(c, *, data=None, samples=None, temperature=None, top_p=None, max_new_tokens=None):
     """`c` with the command's sampling and data flags in place of the config's values."""
-    c = c.copy_and_resolve_references()
+    c = copy.deepcopy(c)  # keeps each key's schema (config_schema.Field)
     if data:
         c.data.eval_files = tuple(data)
     for key, value in (("samples", samples), ("temperature", temperature), ("top_p", top_p)):

@@ -16,6 +16,7 @@ sees (gs://...); where each process sees a folder of its own disk, process 0 wri
 
 from __future__ import annotations
 
+import copy
 import os
 
 import jax
@@ -33,7 +34,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 def without_train_data(c):
     """A copy of `c` that reads its eval files in place of its train files (where it has eval
     files): a run built to evaluate or export samples no training prompt."""
-    c = c.copy_and_resolve_references()
+    c = copy.deepcopy(c)  # keeps each key's schema (config_schema.Field)
     if c.data.eval_files:
         c.data.train_files = tuple(c.data.eval_files)
     return c

@@ -18,6 +18,7 @@ remote code.
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import os
 import re
@@ -105,7 +106,7 @@ def resolve_data(spec: str, key: str = "data.train_files") -> list[str]:
 
 def resolve_config(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """A copy of `c` whose model, tokenizer, reference and data paths are local (module doc)."""
-    c = c.copy_and_resolve_references()
+    c = copy.deepcopy(c)  # keeps each key's schema (config_schema.Field)
     c.model.path = resolve_model(c.model.path, "model.path")
     if c.model.tokenizer_path:
         c.model.tokenizer_path = resolve_model(c.model.tokenizer_path, "model.tokenizer_path")

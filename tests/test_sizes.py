@@ -108,9 +108,7 @@ def test_the_meshes_are_checked_against_the_devices():
         "devices; nearest values that work: 2 and 4"
     )
     with pytest.raises(ConfigError, match=r"^mesh \{'data': 3, 'fsdp': 1, 'tensor': 1\} needs 3 devices"):
-        config_checks.check_config(
-            overrides.apply(dapo.get_config("tiny"), {"mesh": {"data": 3}}), num_devices=8
-        )
+        config_checks.check_config(overrides.apply(dapo.get_config("tiny"), {"mesh.data": 3}), num_devices=8)
     # with 2-way tensor parallelism the sampler's data axis is 4 wide: 6 slots do not split
     slots = overrides.apply(tp, {"rollout.tensor_parallel": 2, "rollout.decode_slots": 6})
     with pytest.raises(ConfigError, match="decode_slots 6: .* over the 4 devices .* 4 and 8$"):
