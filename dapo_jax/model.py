@@ -61,7 +61,7 @@ class ModelConfig:
     # trainer, memory-bounded with remat, else about half the scores skipped (`chunked_attention`)
     scan_layers: bool = False  # one compiled layer body (nn.scan), params stacked on "layers"
     logits_chunk: int = 0  # tokens per block of LM head + log-softmax in the trainer (0: one)
-    transposed_keys: bool = False  # cached keys as [B, K, H, S] (`KVCache`), for XLA:CPU's decode
+    transposed_keys: bool = False  # cached keys as [B, K, E, S] (`KVCache`), for XLA:CPU's decode
 
     @property
     def compute_dtype(self):
@@ -72,18 +72,18 @@ class ModelConfig:
         return jnp.dtype(self.param_dtype)
 
     def num_params(self) -> int:
-        d, f, v, dh = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
-        attn = d * dh * (2 * self.num_heads + 2 * self.num_kv_heads)
-        attn += dh * (self.num_heads + 2 * self.num_kv_heads) if self.qkv_bias else 0
-        attn += 2 * dh if self.qk_norm else 0
+        d, f, v, e = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
+        attn = d * e * (2 * self.num_heads + 2 * self.num_kv_heads)
+        attn += e * (self.num_heads + 2 * self.num_kv_heads) if self.qkv_bias else 0
+        attn += 2 * e if self.qk_norm else 0
         layer = attn + 3 * d * f + 2 * d + (2 * f + d if self.mlp_bias else 0)
         return v * d * (1 if self.tie_word_embeddings else 2) + self.num_layers * layer + d
 
 
 class KVCache(NamedTuple):
-    """One layer's cache of S slots: keys `k_BxKxSxH` (with `transposed_keys`, `kT_BxKxHxS`) and
-    values `v_BxKxSxH`, slot s of row b holding the key and value of the token that row wrote at
-    s. Transposed keys let a decode step's q.k sum over H along a non-minor axis, which XLA:CPU
+    """One layer's cache of S slots: keys `k_BxKxSxE` (with `transposed_keys`, `kT_BxKxExS`) and
+    values `v_BxKxSxE`, slot s of row b holding the key and value of the token that row wrote at
+    s. Transposed keys let a decode step's q.k sum over E along a non-minor axis, which XLA:CPU
     runs faster (figures: experiments/README.md)."""
 
     k: jax.Array
@@ -117,13 +117,13 @@ def cache_slots(caches) -> int:
     return (caches if isinstance(caches, KVCache) else caches[0]).v.shape[-2]
 
 
-def write_cache(cache: KVCache, k_BxKxTxH, v_BxKxTxH, index_B, transposed_keys: bool) -> KVCache:
+def write_cache(cache: KVCache, k_BxKxTxE, v_BxKxTxE, index_B, transposed_keys: bool) -> KVCache:
     """`cache` with row b's T new keys and values at slots index_B[b] .. index_B[b] + T - 1. A
     scalar `index_B` is every row's slot (the fixed batch's decode): one in-place slice update,
     where per-row slots are a scatter, slow on XLA:CPU for transposed keys' strided slots."""
     shared = jnp.ndim(index_B) == 0
 
-    def put(c, x, slot_axis):  # slot_axis: of one row's [K, S, H] or [K, H, S]
+    def put(c, x, slot_axis):  # slot_axis: of one row's [K, S, E] or [K, E, S]
         at = lambda i, lead: (0,) * lead + tuple(i if a == slot_axis else 0 for a in range(3))
         if shared:
             return jax.lax.dynamic_update_slice(c, x.astype(c.dtype), at(index_B, 1))
@@ -131,8 +131,8 @@ def write_cache(cache: KVCache, k_BxKxTxH, v_BxKxTxH, index_B, transposed_keys: 
         return jax.vmap(update)(c, x.astype(c.dtype), index_B)
 
     if transposed_keys:
-        return KVCache(put(cache.k, k_BxKxTxH.swapaxes(2, 3), 2), put(cache.v, v_BxKxTxH, 1))
-    return KVCache(put(cache.k, k_BxKxTxH, 1), put(cache.v, v_BxKxTxH, 1))
+        return KVCache(put(cache.k, k_BxKxTxE.swapaxes(2, 3), 2), put(cache.v, v_BxKxTxE, 1))
+    return KVCache(put(cache.k, k_BxKxTxE, 1), put(cache.v, v_BxKxTxE, 1))
 
 
 def positions_from_mask(mask_BxT: jax.Array) -> jax.Array:
@@ -175,8 +175,8 @@ def teacher_forced_inputs(mask_BxT: jax.Array) -> tuple[jax.Array, jax.Array | S
 
 def rope_inverse_frequencies(config: ModelConfig) -> jax.Array:
     """theta^(-2i/d) for i < d/2, with Llama 3's frequency-dependent rescaling when configured."""
-    dh = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
+    e = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (jnp.arange(0, e, 2, dtype=jnp.float32) / e))
     if config.rope_scaling is None:
         return inv_freq
     s = dict(config.rope_scaling)
@@ -191,7 +191,7 @@ def rope_inverse_frequencies(config: ModelConfig) -> jax.Array:
 
 
 class Rope(NamedTuple):
-    """cos and sin of the rotary angles, `[B, T, 1, H/2]`, computed once and shared by the layers."""
+    """cos and sin of the rotary angles, `[B, T, 1, E/2]`, computed once and shared by the layers."""
 
     cos: jax.Array
     sin: jax.Array
@@ -203,57 +203,57 @@ def rope_tables(positions_BxT: jax.Array, config: ModelConfig, bound: int) -> Ro
     folds to a constant). Computed per token instead, XLA:CPU fuses the cos and sin into each use
     and evaluates them again for every element of q and k, in every layer. A position outside
     [0, bound) reads NaN."""
-    angles_SxH2 = jnp.arange(bound, dtype=jnp.float32)[:, None] * rope_inverse_frequencies(config)
-    take = lambda table_SxH2: jnp.take(table_SxH2, positions_BxT, axis=0, mode="fill", fill_value=jnp.nan)
-    return Rope(take(jnp.cos(angles_SxH2))[:, :, None, :], take(jnp.sin(angles_SxH2))[:, :, None, :])
+    angles_SxE2 = jnp.arange(bound, dtype=jnp.float32)[:, None] * rope_inverse_frequencies(config)
+    take = lambda table_SxE2: jnp.take(table_SxE2, positions_BxT, axis=0, mode="fill", fill_value=jnp.nan)
+    return Rope(take(jnp.cos(angles_SxE2))[:, :, None, :], take(jnp.sin(angles_SxE2))[:, :, None, :])
 
 
-def apply_rope(x_BxTxNxH: jax.Array, rope: Rope) -> jax.Array:
+def apply_rope(x_BxTxHxE: jax.Array, rope: Rope) -> jax.Array:
     """Rotary embedding in the half-split layout that Hugging Face checkpoints expect."""
-    x1, x2 = jnp.split(x_BxTxNxH.astype(jnp.float32), 2, axis=-1)
+    x1, x2 = jnp.split(x_BxTxHxE.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * rope.cos - x2 * rope.sin, x2 * rope.cos + x1 * rope.sin], axis=-1)
-    return out.astype(x_BxTxNxH.dtype)
+    return out.astype(x_BxTxHxE.dtype)
 
 
-def grouped_attention(q_BxTxKxGxH, kT_BxKxHxS, v_BxKxSxH, attn_BxTxS, dtype):
-    """softmax(q k^T / sqrt(H), masked) v for G query heads per kv head and T queries (a
-    teacher-forced pass or a prefill); scores in float32. Two 3-d batched dots over R = B x K rows
-    of M = G x T queries (`q_RxMxH`): XLA:CPU has no kernel for a bf16 dot with f32 accumulation
+def grouped_attention(q_BxTxKxRxE, kT_BxKxExS, v_BxKxSxE, attn_BxTxS, dtype):
+    """softmax(q k^T / sqrt(E), masked) v for R query heads per kv head and T queries (a
+    teacher-forced pass or a prefill); scores in float32. Two 3-d batched dots over A = B x K rows
+    of O = R x T queries (`q_AxOxE`): XLA:CPU has no kernel for a bf16 dot with f32 accumulation
     and two batch dimensions (the 5-d einsum), and runs the 3-d one."""
-    b, t, k, g, h = q_BxTxKxGxH.shape
-    scale = 1.0 / math.sqrt(h)
-    q_RxMxH = q_BxTxKxGxH.transpose(0, 2, 3, 1, 4).reshape(b * k, g * t, h)
-    kT_RxHxS = kT_BxKxHxS.reshape(b * k, h, -1)
-    scores_RxMxS = jnp.einsum("rmh,rhs->rms", q_RxMxH, kT_RxHxS, preferred_element_type=jnp.float32)
-    scores_BxKxGxTxS = scores_RxMxS.reshape(b, k, g, t, -1) * scale
-    scores = jnp.where(attn_BxTxS[:, None, None], scores_BxKxGxTxS, _NEG_INF)
-    probs_RxMxS = jax.nn.softmax(scores, axis=-1).astype(dtype).reshape(b * k, g * t, -1)
-    out_RxMxH = jnp.einsum("rms,rsh->rmh", probs_RxMxS, v_BxKxSxH.reshape(b * k, -1, h))
-    return out_RxMxH.reshape(b, k, g, t, h).transpose(0, 3, 1, 2, 4)
+    b, t, k, r, e = q_BxTxKxRxE.shape
+    scale = 1.0 / math.sqrt(e)
+    q_AxOxE = q_BxTxKxRxE.transpose(0, 2, 3, 1, 4).reshape(b * k, r * t, e)
+    kT_AxExS = kT_BxKxExS.reshape(b * k, e, -1)
+    scores_AxOxS = jnp.einsum("aoe,aes->aos", q_AxOxE, kT_AxExS, preferred_element_type=jnp.float32)
+    scores_BxKxRxTxS = scores_AxOxS.reshape(b, k, r, t, -1) * scale
+    scores = jnp.where(attn_BxTxS[:, None, None], scores_BxKxRxTxS, _NEG_INF)
+    probs_AxOxS = jax.nn.softmax(scores, axis=-1).astype(dtype).reshape(b * k, r * t, -1)
+    out_AxOxE = jnp.einsum("aos,ase->aoe", probs_AxOxS, v_BxKxSxE.reshape(b * k, -1, e))
+    return out_AxOxE.reshape(b, k, r, t, e).transpose(0, 3, 1, 2, 4)
 
 
-def decode_attention(q_BxKxGxH, cache: KVCache, attn_BxS, dtype, transposed_keys: bool):
-    """`out_BxKxGxH`: one query per row (a decode step) over the S cache slots it may read;
+def decode_attention(q_BxKxRxE, cache: KVCache, attn_BxS, dtype, transposed_keys: bool):
+    """`out_BxKxRxE`: one query per row (a decode step) over the S cache slots it may read;
     scores in float32. Written as broadcast multiplies and sums, not dots: as dots they become
-    B x K matrix-vector products of G rows (figures: experiments/README.md)."""
-    scale = 1.0 / math.sqrt(q_BxKxGxH.shape[-1])
-    q32_BxKxGxH = q_BxKxGxH.astype(jnp.float32)
+    B x K matrix-vector products of R rows (figures: experiments/README.md)."""
+    scale = 1.0 / math.sqrt(q_BxKxRxE.shape[-1])
+    q32_BxKxRxE = q_BxKxRxE.astype(jnp.float32)
     if transposed_keys:
-        kT_BxKx1xHxS = cache.k[:, :, None].astype(jnp.float32)
-        scores_BxKxGxS = jnp.sum(q32_BxKxGxH[..., None] * kT_BxKx1xHxS, -2) * scale
+        kT_BxKx1xExS = cache.k[:, :, None].astype(jnp.float32)
+        scores_BxKxRxS = jnp.sum(q32_BxKxRxE[..., None] * kT_BxKx1xExS, -2) * scale
     else:
-        k_BxKx1xSxH = cache.k[:, :, None].astype(jnp.float32)
-        scores_BxKxGxS = jnp.sum(q32_BxKxGxH[:, :, :, None, :] * k_BxKx1xSxH, -1) * scale
-    scores_BxKxGxS = jnp.where(attn_BxS[:, None, None], scores_BxKxGxS, _NEG_INF)
-    probs_BxKxGxS = jax.nn.softmax(scores_BxKxGxS, axis=-1).astype(dtype)
-    return jnp.sum(probs_BxKxGxS[..., None] * cache.v[:, :, None], -2)
+        k_BxKx1xSxE = cache.k[:, :, None].astype(jnp.float32)
+        scores_BxKxRxS = jnp.sum(q32_BxKxRxE[:, :, :, None, :] * k_BxKx1xSxE, -1) * scale
+    scores_BxKxRxS = jnp.where(attn_BxS[:, None, None], scores_BxKxRxS, _NEG_INF)
+    probs_BxKxRxS = jax.nn.softmax(scores_BxKxRxS, axis=-1).astype(dtype)
+    return jnp.sum(probs_BxKxRxS[..., None] * cache.v[:, :, None], -2)
 
 
-def chunked_attention(q_BxTxKxGxH, keys, v_BxKxSxH, attn_BxTxS, dtype, chunk: int, causal_prefix: bool):
+def chunked_attention(q_BxTxKxRxE, keys, v_BxKxSxE, attn_BxTxS, dtype, chunk: int, causal_prefix: bool):
     """`grouped_attention` over blocks of `chunk` queries (one block when T <= chunk or chunk = 0).
 
     By default the blocks run one after another (`lax.map`), each rematerialised in the backward
-    pass: one block's B x K x G x chunk x S scores are alive at a time, not all T rows of them (a
+    pass: one block's B x K x R x C x S scores are alive at a time, not all T rows of them (a
     layer's f32 scores at T = S = 20k are ~64 GB per sequence for Qwen2.5-32B). With
     `causal_prefix` (only for a teacher-forced pass, where query t is key t and reads keys s <= t)
     block i reads only its keys [0, (i + 1) x chunk), the others being masked: about half of the
@@ -261,17 +261,17 @@ def chunked_attention(q_BxTxKxGxH, keys, v_BxKxSxH, attn_BxTxS, dtype, chunk: in
     unrolled and XLA may keep all of them alive at once. A fully masked query row (left padding)
     then averages the values of its block's keys, not of all S: padding rows stay finite, and no
     real token reads them."""
-    b, t, k, g, h = q_BxTxKxGxH.shape
+    b, t, k, r, e = q_BxTxKxRxE.shape
     if not chunk or t <= chunk:
-        return grouped_attention(q_BxTxKxGxH, keys, v_BxKxSxH, attn_BxTxS, dtype)
+        return grouped_attention(q_BxTxKxRxE, keys, v_BxKxSxE, attn_BxTxS, dtype)
     if causal_prefix:
         blocks = [(start, min(start + chunk, t)) for start in range(0, t, chunk)]
         return jnp.concatenate(
             [
                 grouped_attention(
-                    q_BxTxKxGxH[:, start:stop],
+                    q_BxTxKxRxE[:, start:stop],
                     keys[..., :stop],
-                    v_BxKxSxH[:, :, :stop],
+                    v_BxKxSxE[:, :, :stop],
                     attn_BxTxS[:, start:stop, :stop],
                     dtype,
                 )
@@ -279,35 +279,36 @@ def chunked_attention(q_BxTxKxGxH, keys, v_BxKxSxH, attn_BxTxS, dtype, chunk: in
             ],
             axis=1,
         )
-    n = -(-t // chunk)
-    pad = ((0, 0), (0, n * chunk - t))  # padded queries read no key; their rows are dropped
-    q_NxBxCxKxGxH = jnp.pad(q_BxTxKxGxH, pad + ((0, 0),) * 3).reshape(b, n, chunk, k, g, h).swapaxes(0, 1)
-    attn_NxBxCxS = jnp.pad(attn_BxTxS, pad + ((0, 0),)).reshape(b, n, chunk, -1).swapaxes(0, 1)
-    block = jax.checkpoint(lambda q_attn: grouped_attention(q_attn[0], keys, v_BxKxSxH, q_attn[1], dtype))
-    out_NxBxCxKxGxH = jax.lax.map(block, (q_NxBxCxKxGxH, attn_NxBxCxS))
-    return out_NxBxCxKxGxH.swapaxes(0, 1).reshape(b, n * chunk, k, g, h)[:, :t]
+    j = -(-t // chunk)
+    pad = ((0, 0), (0, j * chunk - t))  # padded queries read no key; their rows are dropped
+    q_JxBxCxKxRxE = jnp.pad(q_BxTxKxRxE, pad + ((0, 0),) * 3).reshape(b, j, chunk, k, r, e).swapaxes(0, 1)
+    attn_JxBxCxS = jnp.pad(attn_BxTxS, pad + ((0, 0),)).reshape(b, j, chunk, -1).swapaxes(0, 1)
+    block = jax.checkpoint(lambda q_attn: grouped_attention(q_attn[0], keys, v_BxKxSxE, q_attn[1], dtype))
+    out_JxBxCxKxRxE = jax.lax.map(block, (q_JxBxCxKxRxE, attn_JxBxCxS))
+    return out_JxBxCxKxRxE.swapaxes(0, 1).reshape(b, j * chunk, k, r, e)[:, :t]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def matmul(x_NxI, w_IxO, precision=None):
-    """`x_NxI @ w_IxO` over the last axis of x (N: any leading axes, I and O: the layer's input
-    and output features), differentiated by hand: dx = g W^T and dW = x^T g, the latter one dot
-    over all leading axes flattened into tokens. Autodiff gives the same numbers, but XLA:CPU then
-    materialises a transposed copy of x or g fused with their elementwise producers before each
-    weight-gradient dot, about half of the backward pass's time (figures: experiments/README.md)."""
-    return jax.lax.dot_general(x_NxI, w_IxO, (((x_NxI.ndim - 1,), (0,)), ((), ())), precision)
+def matmul(x, w, precision=None):
+    """`x @ w` over the last axis of x (x: any leading axes, then the layer's input features; w:
+    input by output features; of any rank, so no shape letters), differentiated by hand: dx =
+    g W^T and dW = x^T g, the latter one dot over all leading axes flattened into tokens.
+    Autodiff gives the same numbers, but XLA:CPU then materialises a transposed copy of x or g
+    fused with their elementwise producers before each weight-gradient dot, about half of the
+    backward pass's time (figures: experiments/README.md)."""
+    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), precision)
 
 
-def _matmul_fwd(x_NxI, w_IxO, precision):
-    return matmul(x_NxI, w_IxO, precision), (x_NxI, w_IxO)
+def _matmul_fwd(x, w, precision):
+    return matmul(x, w, precision), (x, w)
 
 
-def _matmul_bwd(precision, residuals, g_NxO):
-    x_NxI, w_IxO = residuals
-    dx_NxI = jax.lax.dot_general(g_NxO, w_IxO, (((g_NxO.ndim - 1,), (1,)), ((), ())), precision)
-    x_MxI, g_MxO = x_NxI.reshape(-1, x_NxI.shape[-1]), g_NxO.reshape(-1, g_NxO.shape[-1])
-    dw_IxO = jax.lax.dot_general(x_MxI, g_MxO, (((0,), (0,)), ((), ())), precision)
-    return dx_NxI.astype(x_NxI.dtype), dw_IxO.astype(w_IxO.dtype)
+def _matmul_bwd(precision, residuals, g):
+    x, w = residuals
+    dx = jax.lax.dot_general(g, w, (((g.ndim - 1,), (1,)), ((), ())), precision)
+    x_tokens, g_tokens = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
+    dw = jax.lax.dot_general(x_tokens, g_tokens, (((0,), (0,)), ((), ())), precision)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
 matmul.defvjp(_matmul_fwd, _matmul_bwd)
@@ -356,8 +357,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query attention: N query heads share K = num_kv_heads key/value heads. With
-    `qk_norm` each query and key head is RMS-normalised (one scale of H entries for all query
+    """Grouped-query attention: H query heads share K = num_kv_heads key/value heads. With
+    `qk_norm` each query and key head is RMS-normalised (one scale of E entries for all query
     heads, one for all key heads) before RoPE, so the cache holds normalised, rotated keys."""
 
     config: ModelConfig
@@ -366,53 +367,53 @@ class Attention(nn.Module):
     def __call__(self, x_BxTxD, rope: Rope, attn_BxTxS, cache: KVCache | None, cache_index_B):
         c = self.config
         b, t, _ = x_BxTxD.shape
-        n, k, h = c.num_heads, c.num_kv_heads, c.head_dim
-        q = _dense(c, n * h, ("embed", "heads"), c.qkv_bias, "q_proj")(x_BxTxD)
-        key = _dense(c, k * h, ("embed", "kv_heads"), c.qkv_bias, "k_proj")(x_BxTxD)
-        val = _dense(c, k * h, ("embed", "kv_heads"), c.qkv_bias, "v_proj")(x_BxTxD)
-        q_BxTxNxH, k_BxTxKxH = q.reshape(b, t, n, h), key.reshape(b, t, k, h)
+        h, k, e = c.num_heads, c.num_kv_heads, c.head_dim
+        q = _dense(c, h * e, ("embed", "heads"), c.qkv_bias, "q_proj")(x_BxTxD)
+        key = _dense(c, k * e, ("embed", "kv_heads"), c.qkv_bias, "k_proj")(x_BxTxD)
+        val = _dense(c, k * e, ("embed", "kv_heads"), c.qkv_bias, "v_proj")(x_BxTxD)
+        q_BxTxHxE, k_BxTxKxE = q.reshape(b, t, h, e), key.reshape(b, t, k, e)
         if c.qk_norm:
             norm = lambda name: RMSNorm(
                 c.rms_norm_eps, c.compute_dtype, c.weight_dtype, "head_dim", name=name
             )
-            q_BxTxNxH, k_BxTxKxH = norm("q_norm")(q_BxTxNxH), norm("k_norm")(k_BxTxKxH)
-        q_BxTxNxH = apply_rope(q_BxTxNxH, rope)
-        k_BxKxTxH = apply_rope(k_BxTxKxH, rope).transpose(0, 2, 1, 3)
-        v_BxKxTxH = val.reshape(b, t, k, h).transpose(0, 2, 1, 3)
-        q_BxTxKxGxH = q_BxTxNxH.reshape(b, t, k, n // k, h)
+            q_BxTxHxE, k_BxTxKxE = norm("q_norm")(q_BxTxHxE), norm("k_norm")(k_BxTxKxE)
+        q_BxTxHxE = apply_rope(q_BxTxHxE, rope)
+        k_BxKxTxE = apply_rope(k_BxTxKxE, rope).transpose(0, 2, 1, 3)
+        v_BxKxTxE = val.reshape(b, t, k, e).transpose(0, 2, 1, 3)
+        q_BxTxKxRxE = q_BxTxHxE.reshape(b, t, k, h // k, e)
         dtype, chunk = c.compute_dtype, c.attention_chunk
         if isinstance(attn_BxTxS, SegmentIds):  # packed rows: blocks across segments skipped
-            kT_BxKxHxT, seg_BxT = k_BxKxTxH.swapaxes(2, 3), attn_BxTxS.segment_BxT
+            kT_BxKxExT, seg_BxT = k_BxKxTxE.swapaxes(2, 3), attn_BxTxS.segment_BxT
             if _splash_applies(t, k):
-                out = splash_attention(q_BxTxKxGxH, kT_BxKxHxT, v_BxKxTxH, seg_BxT).astype(dtype)
+                out = splash_attention(q_BxTxKxRxE, kT_BxKxExT, v_BxKxTxE, seg_BxT).astype(dtype)
             elif chunk and t > chunk:
-                out = blocked_attention(q_BxTxKxGxH, kT_BxKxHxT, v_BxKxTxH, seg_BxT, dtype, chunk)
+                out = blocked_attention(q_BxTxKxRxE, kT_BxKxExT, v_BxKxTxE, seg_BxT, dtype, chunk)
             else:
                 out = grouped_attention(
-                    q_BxTxKxGxH, kT_BxKxHxT, v_BxKxTxH, segment_attention_mask(seg_BxT), dtype
+                    q_BxTxKxRxE, kT_BxKxExT, v_BxKxTxE, segment_attention_mask(seg_BxT), dtype
                 )
         elif cache is None:
-            kT_BxKxHxT = k_BxKxTxH.swapaxes(2, 3)
+            kT_BxKxExT = k_BxKxTxE.swapaxes(2, 3)
             # memory first with remat (one block at a time), else fewer FLOPs (causal prefixes)
             out = chunked_attention(
-                q_BxTxKxGxH, kT_BxKxHxT, v_BxKxTxH, attn_BxTxS, dtype, chunk, causal_prefix=not c.remat
+                q_BxTxKxRxE, kT_BxKxExT, v_BxKxTxE, attn_BxTxS, dtype, chunk, causal_prefix=not c.remat
             )
         elif isinstance(cache_index_B, PageRefs):  # paged decode step: one token, a pool of pages
             out, cache = paged_attention.decode_step(
-                q_BxTxKxGxH[:, 0], k_BxKxTxH[:, :, 0], v_BxKxTxH[:, :, 0], cache, cache_index_B, c.num_layers
+                q_BxTxKxRxE[:, 0], k_BxKxTxE[:, :, 0], v_BxKxTxE[:, :, 0], cache, cache_index_B, c.num_layers
             )
             out = out.astype(dtype)[:, None]
         else:
-            cache = write_cache(cache, k_BxKxTxH, v_BxKxTxH, cache_index_B, c.transposed_keys)
+            cache = write_cache(cache, k_BxKxTxE, v_BxKxTxE, cache_index_B, c.transposed_keys)
             if t == 1:
-                out = decode_attention(q_BxTxKxGxH[:, 0], cache, attn_BxTxS[:, 0], dtype, c.transposed_keys)
+                out = decode_attention(q_BxTxKxRxE[:, 0], cache, attn_BxTxS[:, 0], dtype, c.transposed_keys)
                 out = out[:, None]
             else:
-                kT_BxKxHxS = cache.k if c.transposed_keys else cache.k.swapaxes(2, 3)
+                kT_BxKxExS = cache.k if c.transposed_keys else cache.k.swapaxes(2, 3)
                 out = chunked_attention(
-                    q_BxTxKxGxH, kT_BxKxHxS, cache.v, attn_BxTxS, dtype, chunk, causal_prefix=False
+                    q_BxTxKxRxE, kT_BxKxExS, cache.v, attn_BxTxS, dtype, chunk, causal_prefix=False
                 )
-        out = out.reshape(b, t, n * h)
+        out = out.reshape(b, t, h * e)
         out = nn.with_logical_constraint(out, ("batch", "length", "heads"))
         return _dense(c, c.hidden_size, ("heads", "embed"), False, "o_proj")(out), cache
 
@@ -608,6 +609,6 @@ def stack_layers(params, num_layers: int):
 def unstack_layers(params):
     """Scanned params in the unrolled layout: `layers` split along its leading axis."""
     stacked = params["layers"]
-    n = jax.tree.leaves(stacked)[0].shape[0]
+    num_layers = jax.tree.leaves(stacked)[0].shape[0]
     rest = {k: v for k, v in params.items() if k != "layers"}
-    return {**rest, **{f"layers_{i}": jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(n)}}
+    return {**rest, **{f"layers_{i}": jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(num_layers)}}

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 _NEG_INF = -1e30
-KERNEL_BLOCK_PAGES = 16  # F: pages of a row the kernel fetches per flash block
+KERNEL_BLOCK_PAGES = 16  # pages of a row the kernel fetches per flash block
 
 
 class PageRefs(NamedTuple):
@@ -41,10 +41,10 @@ class PageRefs(NamedTuple):
     layer: jax.Array | int = 0  # l, the layer reading them: its pages lie at l x M + page id
 
 
-def interleave_kv(k_XxKxE, v_XxKxE):
-    """`kv_XxUxE`: keys and values of X tokens with their K heads interleaved (U = 2K)."""
-    x, k, e = k_XxKxE.shape
-    return jnp.stack([k_XxKxE, v_XxKxE], axis=2).reshape(x, 2 * k, e)
+def interleave_kv(k_SxKxE, v_SxKxE):
+    """`kv_SxUxE`: the keys and values of S positions with their K heads interleaved (U = 2K)."""
+    s, k, e = k_SxKxE.shape
+    return jnp.stack([k_SxKxE, v_SxKxE], axis=2).reshape(s, 2 * k, e)
 
 
 def write_pages(pages_MxZxUxE, k_BxKxE, v_BxKxE, page_B, slot_B):
@@ -61,7 +61,7 @@ class _Runs(NamedTuple):
     """The (row, run) pairs that hold keys, row by row, padded to whole blocks (row B: none)."""
 
     row_X: jax.Array
-    pages_XxR: jax.Array  # the run's page ids (pages past the row's table: page 0, masked)
+    pages_XxC: jax.Array  # the run's C page ids (pages past the row's table: page 0, masked)
     first_key_X: jax.Array  # the row's key in the run's first slot
 
 
@@ -70,38 +70,38 @@ def _runs(lengths_B, table_BxI, z: int, run: int, block: int) -> tuple[_Runs, ja
     to whole blocks of `block` runs; `count` the runs that hold keys."""
     b, i = table_BxI.shape
     per_row = -(-i // run)
-    table_BxYxR = jnp.pad(table_BxI, ((0, 0), (0, per_row * run - i))).reshape(b, per_row, run)
+    table_BxJxC = jnp.pad(table_BxI, ((0, 0), (0, per_row * run - i))).reshape(b, per_row, run)
     runs_B = -(-lengths_B // (run * z))
     ends_B = jnp.cumsum(runs_B)
     x_X = jnp.arange(-(-(b * per_row) // block) * block, dtype=jnp.int32)
     row_X = jnp.searchsorted(ends_B, x_X, side="right").astype(jnp.int32)
-    row_x = jnp.minimum(row_X, b - 1)
-    y_X = jnp.clip(x_X - (ends_B - runs_B)[row_x], 0, per_row - 1)  # the run's place in its row
-    runs = _Runs(row_X, table_BxYxR[row_x, y_X], y_X * run * z)
+    clamped_row_X = jnp.minimum(row_X, b - 1)
+    j_X = jnp.clip(x_X - (ends_B - runs_B)[clamped_row_X], 0, per_row - 1)  # the run's place in its row
+    runs = _Runs(row_X, table_BxJxC[clamped_row_X, j_X], j_X * run * z)
     # materialised here: fused into the loop's page gather, this index arithmetic ran once per
     # gathered element (XLA:CPU's gather fusion; experiments/README.md)
     return jax.lax.optimization_barrier(runs), ends_B[-1]
 
 
 def _block_partials(q_BxKxRxE, pages_MxZxUxE, lengths_B, runs: _Runs):
-    """Softmax partials of C runs: `(row_C, max_CxKxR, sum_CxKxR, out_CxKxRxE)`, row B for a
-    run past the last."""
+    """Softmax partials of a block's X runs: `(row_X, max_XxKxR, sum_XxKxR, out_XxKxRxE)`, row B
+    for a run past the last."""
     b = q_BxKxRxE.shape[0]
-    c, run = runs.pages_XxR.shape
+    x, c = runs.pages_XxC.shape
     _, z, u, e = pages_MxZxUxE.shape
-    valid_C = runs.row_X < b
-    row_c = jnp.minimum(runs.row_X, b - 1)
-    kv_CxSxUxE = pages_MxZxUxE[runs.pages_XxR].astype(jnp.float32).reshape(c, run * z, u, e)
-    k_CxSxKxE, v_CxSxKxE = kv_CxSxUxE[:, :, 0::2], kv_CxSxUxE[:, :, 1::2]
-    q_CxKxRxE = q_BxKxRxE[row_c].astype(jnp.float32) / math.sqrt(e)
-    scores_CxKxRxS = jnp.einsum("ckre,cske->ckrs", q_CxKxRxE, k_CxSxKxE)
-    keys_CxS = runs.first_key_X[:, None] + jnp.arange(run * z)
-    held_CxS = (keys_CxS < lengths_B[row_c][:, None]) & valid_C[:, None]
-    scores_CxKxRxS = jnp.where(held_CxS[:, None, None], scores_CxKxRxS, _NEG_INF)
-    max_CxKxR = scores_CxKxRxS.max(-1)
-    p_CxKxRxS = jnp.exp(scores_CxKxRxS - max_CxKxR[..., None])
-    out_CxKxRxE = jnp.einsum("ckrs,cske->ckre", p_CxKxRxS, v_CxSxKxE)
-    return jnp.where(valid_C, runs.row_X, b), max_CxKxR, p_CxKxRxS.sum(-1), out_CxKxRxE
+    valid_X = runs.row_X < b
+    clamped_row_X = jnp.minimum(runs.row_X, b - 1)
+    kv_XxSxUxE = pages_MxZxUxE[runs.pages_XxC].astype(jnp.float32).reshape(x, c * z, u, e)
+    k_XxSxKxE, v_XxSxKxE = kv_XxSxUxE[:, :, 0::2], kv_XxSxUxE[:, :, 1::2]
+    q_XxKxRxE = q_BxKxRxE[clamped_row_X].astype(jnp.float32) / math.sqrt(e)
+    scores_XxKxRxS = jnp.einsum("xkre,xske->xkrs", q_XxKxRxE, k_XxSxKxE)
+    keys_XxS = runs.first_key_X[:, None] + jnp.arange(c * z)
+    held_XxS = (keys_XxS < lengths_B[clamped_row_X][:, None]) & valid_X[:, None]
+    scores_XxKxRxS = jnp.where(held_XxS[:, None, None], scores_XxKxRxS, _NEG_INF)
+    max_XxKxR = scores_XxKxRxS.max(-1)
+    p_XxKxRxS = jnp.exp(scores_XxKxRxS - max_XxKxR[..., None])
+    out_XxKxRxE = jnp.einsum("xkrs,xske->xkre", p_XxKxRxS, v_XxSxKxE)
+    return jnp.where(valid_X, runs.row_X, b), max_XxKxR, p_XxKxRxS.sum(-1), out_XxKxRxE
 
 
 def paged_decode_attention(
@@ -119,21 +119,25 @@ def paged_decode_attention(
     )
     b, k, r, e = q_BxKxRxE.shape
     run = min(run_pages, table_BxI.shape[1])
-    c = max(block_pages // run, 1)
-    runs, count = _runs(lengths_B, table_BxI, pages_MxZxUxE.shape[1], run, c)
+    per_block = max(block_pages // run, 1)
+    runs, count = _runs(lengths_B, table_BxI, pages_MxZxUxE.shape[1], run, per_block)
 
     def block(carry):
         i, max_BxKxR, sum_BxKxR, out_BxKxRxE = carry
-        runs_C = _Runs(*(jax.lax.dynamic_slice_in_dim(x, i * c, c) for x in runs))
-        row_C, m_C, s_C, o_C = _block_partials(q_BxKxRxE, pages_MxZxUxE, lengths_B, runs_C)
-        new_max = max_BxKxR.at[row_C].max(m_C, mode="drop")
-        old_scale = jnp.exp(max_BxKxR - new_max)
-        pair_scale = jnp.exp(m_C - new_max[jnp.minimum(row_C, b - 1)])
-        sum_BxKxR = (sum_BxKxR * old_scale).at[row_C].add(s_C * pair_scale, mode="drop")
-        out_BxKxRxE = (
-            (out_BxKxRxE * old_scale[..., None]).at[row_C].add(o_C * pair_scale[..., None], mode="drop")
+        block_runs = _Runs(*(jax.lax.dynamic_slice_in_dim(x, i * per_block, per_block) for x in runs))
+        row_X, max_XxKxR, sum_XxKxR, out_XxKxRxE = _block_partials(
+            q_BxKxRxE, pages_MxZxUxE, lengths_B, block_runs
         )
-        return i + 1, new_max, sum_BxKxR, out_BxKxRxE
+        new_max_BxKxR = max_BxKxR.at[row_X].max(max_XxKxR, mode="drop")
+        old_scale_BxKxR = jnp.exp(max_BxKxR - new_max_BxKxR)
+        pair_scale_XxKxR = jnp.exp(max_XxKxR - new_max_BxKxR[jnp.minimum(row_X, b - 1)])
+        sum_BxKxR = (sum_BxKxR * old_scale_BxKxR).at[row_X].add(sum_XxKxR * pair_scale_XxKxR, mode="drop")
+        out_BxKxRxE = (
+            (out_BxKxRxE * old_scale_BxKxR[..., None])
+            .at[row_X]
+            .add(out_XxKxRxE * pair_scale_XxKxR[..., None], mode="drop")
+        )
+        return i + 1, new_max_BxKxR, sum_BxKxR, out_BxKxRxE
 
     init = (
         jnp.zeros((), jnp.int32),
@@ -141,7 +145,7 @@ def paged_decode_attention(
         jnp.zeros((b, k, r), jnp.float32),
         jnp.zeros((b, k, r, e), jnp.float32),
     )
-    _, _, sum_BxKxR, out_BxKxRxE = jax.lax.while_loop(lambda carry: carry[0] * c < count, block, init)
+    _, _, sum_BxKxR, out_BxKxRxE = jax.lax.while_loop(lambda carry: carry[0] * per_block < count, block, init)
     return (out_BxKxRxE / jnp.maximum(sum_BxKxR, 1e-30)[..., None]).astype(q_BxKxRxE.dtype)
 
 
