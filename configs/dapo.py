@@ -55,12 +55,16 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
         top_p=1.0,
         top_k=0,
         max_new_tokens=20480,  # L_max
-        micro_batch_prompts=32,  # prompts decoded at once: 512 rows' bf16 KV cache
-        decode_slots=0,  # rows decoded at once by continuous batching (0: a fixed batch)
-        decode_chunks=4,  # the fixed batch's phases, each reading the cache filled by its end
-        paged=False,  # the engine: continuous batching in decode_slots (0: all rows) over a paged KV cache
+        # The engine, continuous batching proper: a whole generation batch a call (192 prompts x
+        # 16 = 3,072 rows on each of the 8 data shards) decoded in 64 slots a shard, a row
+        # starting as one ends; the pool holds the prompts' pages and every slot at
+        # max_new_tokens (docs/tpu_32b_plan.md, the refill table).
+        paged=True,
+        micro_batch_prompts=0,
+        decode_slots=512,  # the engine's rows decoded at once, over all data shards (0: every row)
+        decode_chunks=4,  # the fixed batch's phases (paged=False), each reading the cache filled by its end
         page_size=16,  # the engine's KV slots per page
-        kv_pages=0,  # the engine's pages per rollout loop (0: every slot at max_new_tokens, and a spare)
+        kv_pages=0,  # the engine's pages per data shard (0: every slot at max_new_tokens, and a spare)
         # the sampler's weights: bf16, tensor-parallel over 8 chips and replicated over the rest
         # (fewer bytes per decoded token than the trainer's FSDP layout and no all-gather:
         # `python -m dapo_jax.aot`, docs/tpu_32b_plan.md)
@@ -102,9 +106,9 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
         top_p=0.7,
         max_problems=0,
         batch_prompts=32,
-        # prompts decoded at once: 8 x 32 samples = 256 rows (all 32 x 32 at once: ~82 GiB of KV
-        # cache per v5p-128 chip; 16 x 32: 125 GiB in all, docs/tpu_32b_plan.md)
-        micro_batch_prompts=8,
+        # all 32 prompts x 32 samples in one engine call: 4 x 32 = 128 rows a data shard in its 64
+        # slots (docs/tpu_32b_plan.md)
+        micro_batch_prompts=0,
         at_start=True,
     )
     c.export = common.export(dtype="bfloat16", max_shard_bytes=5 * 2**30)  # HF's shard files of <= 5 GiB
@@ -123,13 +127,14 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
 def qwen2_5_32b_v5p64() -> ml_collections.ConfigDict:
     """The 32B run on v5p-64 (32 chips, 8 hosts of 4): fsdp 4 x tensor 8, the rollout on data 4 x
     tensor 8. Per chip the state is twice v5p-128's (11.5 GiB) and a batch's rows fall on half as
-    many chips, so every micro-batch is halved to keep v5p-128's rows per chip: the same
-    algorithm and batch, twice the sequential micro-batches (docs/tpu_32b_plan.md)."""
+    many chips, so the update's micro-batches are halved and the rollout decodes a generation
+    batch in two calls, to keep v5p-128's rows per chip: the same algorithm and batch, twice the
+    sequential work (docs/tpu_32b_plan.md)."""
     c = qwen2_5_32b()
     # the mesh is v5p-128's (data 1, fsdp -1, tensor 8): fsdp 4 on 32 chips
     c.train.micro_batch_size = 8  # at 16 the update needed ~101 GiB per chip
-    c.rollout.micro_batch_prompts = 8  # 128 rows, 32 on each of the 4 data groups (16: ~98 GiB)
-    c.eval.micro_batch_prompts = 4  # 128 rows
+    c.rollout.micro_batch_prompts = 768  # 192 prompts x 16 rows on each of the 4 data shards
+    c.rollout.decode_slots = 256  # 64 slots a shard
     return c
 
 
@@ -151,7 +156,6 @@ def qwen3_8b() -> ml_collections.ConfigDict:
     c.model.path = "/ckpt/Qwen3-8B-Base"
     c.mesh.tensor = 4  # 8 KV heads: 2 on each tensor shard
     c.rollout.tensor_parallel = 4
-    c.rollout.micro_batch_prompts = 16  # twice Qwen2.5-7B's KV heads: at 32, 133 GiB per chip (aot)
     c.train.micro_batch_size = 32
     return c
 
@@ -193,11 +197,13 @@ def tiny() -> ml_collections.ConfigDict:
         top_k=0,
         max_new_tokens=96,  # L_max; worked solutions take up to ~75 tokens
         micro_batch_prompts=0,  # the whole generation batch at once
-        decode_slots=0,  # rows decoded at once by continuous batching (0: a fixed batch)
+        # The fixed batch: on this CPU, faster than the engine at the demo's lengths (the
+        # engine's page gathers; experiments/README.md). paged=True decodes with the engine.
+        paged=False,
+        decode_slots=0,  # the engine's rows decoded at once, over all data shards (0: every row)
         decode_chunks=4,  # the fixed batch's phases, each reading the cache filled by its end
-        paged=False,  # the engine: continuous batching in decode_slots (0: all rows) over a paged KV cache
         page_size=16,  # the engine's KV slots per page
-        kv_pages=0,  # the engine's pages per rollout loop (0: every slot at max_new_tokens, and a spare)
+        kv_pages=0,  # the engine's pages per data shard (0: every slot at max_new_tokens, and a spare)
         tensor_parallel=0,  # the sampler's mesh: data x tensor (0: the trainer's mesh and weights)
         param_dtype="",  # the sampler's weight dtype ("": the trainer's)
         dtype="",  # the sampler's compute dtype ("": the trainer's, model.dtype)

@@ -8,7 +8,8 @@ in place. Row b's keys are its prompt's q_p real tokens then its own, in order (
 held): key s in slot s % Z of page `table[s // Z]`.
 
 - Prefill: once per prompt (its first q_p - 1 tokens), into the prompt's J = ceil((L - 1) / Z)
-  pages, held for the whole call. The prompt's full pages are shared by its G rows (their tables
+  pages, held for the whole call; in chunks of about S / G prompts, so that a call may hold a
+  whole generation batch. The prompt's full pages are shared by its G rows (their tables
   name them); its last, partial page is copied into a page of the row's own when the row starts.
 - Decode: every step each running row feeds one token (its prompt's last at t = 0, then its
   token t - 1) at position q_p - 1 + t, takes a page from the free list when that key starts
@@ -32,9 +33,8 @@ from typing import NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec
 
-from dapo_jax import sampler, sharding, sizes
+from dapo_jax import sampler, sizes
 from dapo_jax.model import KVCache, ModelConfig, Transformer
 from dapo_jax.paged_attention import PageRefs, interleave_kv
 
@@ -48,6 +48,7 @@ class Geometry(NamedTuple):
     prompt_pages: int  # J, pages per prompt (P x J held from the start)
     table_pages: int  # I, pages a row may hold: ceil((L - 1 + N) / Z)
     pool_pages: int  # M
+    prefill_prompts: int  # prompts a prefill chunk: the largest divisor of P up to ceil(S / G)
 
 
 def geometry(config: sampler.SamplingConfig, prompts: int, group: int, width: int) -> Geometry:
@@ -64,7 +65,8 @@ def geometry(config: sampler.SamplingConfig, prompts: int, group: int, width: in
             f"{config.max_new_tokens} tokens ({i} pages of {z}) and a spare: "
             f"set kv_pages >= {prompts * j + i + 1}"
         )
-    return Geometry(b, s, z, j, i, m)
+    chunk = max(d for d in range(1, min(-(-s // group), prompts) + 1) if prompts % d == 0)
+    return Geometry(b, s, z, j, i, m, chunk)
 
 
 def empty_pool(config: ModelConfig, pages: int, page_size: int):
@@ -92,18 +94,32 @@ def _as_pages(cache: KVCache, pad_P, geo: Geometry, transposed_keys: bool):
 
 def prefill_pages(model: Transformer, params, prompt_PxL, mask_PxL, geo: Geometry):
     """The pool `pool_AxZxUxE` whose pages 0 .. P x J - 1 hold the prompts' prefill in every
-    layer (page p*J + j: prompt p's j-th), the rest zeros."""
+    layer (page p*J + j: prompt p's j-th), the rest zeros. The prompts are prefilled in chunks of
+    `geo.prefill_prompts`, about the prompts whose rows fill the slots: the prefill's
+    activations follow the slots, not the batch."""
     c = model.config
+    pool_AxZxUxE = empty_pool(c, geo.pool_pages, geo.page_size)
     if not geo.prompt_pages:
-        return empty_pool(c, geo.pool_pages, geo.page_size)
-    l = prompt_PxL.shape[1]
-    caches = sampler.prefill(model, params, prompt_PxL[:, :-1], mask_PxL[:, :-1], l - 1)
-    pad_P = l - mask_PxL.sum(-1, dtype=jnp.int32)
-    as_pages = lambda cache: _as_pages(cache, pad_P, geo, c.transposed_keys)
-    kv_LxAxZxUxE = jax.vmap(as_pages)(caches) if c.scan_layers else jnp.stack([as_pages(x) for x in caches])
-    rest = geo.pool_pages - kv_LxAxZxUxE.shape[1]
-    kv_LxMxZxUxE = jnp.pad(kv_LxAxZxUxE.astype(c.compute_dtype), ((0, 0), (0, rest), (0, 0), (0, 0), (0, 0)))
-    return _heads_split(kv_LxMxZxUxE.reshape(-1, *kv_LxMxZxUxE.shape[2:]))
+        return pool_AxZxUxE
+    (p, l), chunk = prompt_PxL.shape, geo.prefill_prompts
+    chunks = lambda x: x.reshape(p // chunk, chunk, *x.shape[1:])
+    prompt_NxCxL, mask_NxCxL = chunks(prompt_PxL), chunks(mask_PxL)
+    layers = c.num_layers
+
+    def fill(n, pool_AxZxUxE):
+        prompt_CxL, mask_CxL = prompt_NxCxL[n], mask_NxCxL[n]
+        caches = sampler.prefill(model, params, prompt_CxL[:, :-1], mask_CxL[:, :-1], l - 1)
+        pad_C = l - mask_CxL.sum(-1, dtype=jnp.int32)
+        as_pages = lambda cache: _as_pages(cache, pad_C, geo, c.transposed_keys)
+        stack = jax.vmap(as_pages) if c.scan_layers else lambda xs: jnp.stack([as_pages(x) for x in xs])
+        kv_LxAxZxUxE = stack(caches)
+        pool_LxMxZxUxE = pool_AxZxUxE.reshape(layers, geo.pool_pages, *pool_AxZxUxE.shape[1:])
+        pool_LxMxZxUxE = jax.lax.dynamic_update_slice_in_dim(
+            pool_LxMxZxUxE, kv_LxAxZxUxE.astype(c.compute_dtype), n * chunk * geo.prompt_pages, axis=1
+        )
+        return _heads_split(pool_LxMxZxUxE.reshape(pool_AxZxUxE.shape))
+
+    return jax.lax.fori_loop(0, p // chunk, fill, pool_AxZxUxE)
 
 
 def copy_pages(pool_AxZxUxE, src_S, dst_S, pages: int):
@@ -322,28 +338,3 @@ def paged_rollout(model, config: sampler.SamplingConfig, group: int, params, pro
     st = jax.lax.while_loop(lambda st: jnp.any(st.row_S < geo.rows) | st.waiting_B.any(), body, st)
     outputs = sampler._outputs(st.tokens_BxN, st.logp_BxN, st.ended_B, st.length_B)
     return outputs, {"steps": st.steps, "waits": st.waits, "preemptions": st.preemptions}
-
-
-def loop_per_data_shard(loop, mesh: Mesh):
-    """`loop(params, prompt_PxL, mask_PxL, uids_P, rng)` run by each data x fsdp shard of `mesh` on
-    its P / d prompts, all their rows (`jax.shard_map`, manual over data and fsdp only): tensor
-    parallel inside a shard (the weights split over `tensor` as they lie, the batch axis not
-    split further), no shard waiting for another's longest row. P must split evenly."""
-    rows = PartitionSpec(("data", "fsdp"))
-    manual = ("data", "fsdp")
-    auto_only = tuple(
-        (name, None if axes in manual or axes == manual else axes) for name, axes in sharding.RULES
-    )
-
-    def per_shard(*args):
-        with nn.logical_axis_rules(auto_only):  # inside a shard only tensor is left to split
-            return loop(*args)
-
-    return jax.shard_map(
-        per_shard,
-        mesh=mesh,
-        in_specs=(PartitionSpec(), rows, rows, rows, PartitionSpec()),
-        out_specs=rows,
-        axis_names={"data", "fsdp"},
-        check_vma=False,
-    )

@@ -96,7 +96,7 @@ def shard(p: programs.Programs, c) -> Shard:
     config = dataclasses.replace(
         p.sampler.config, paged=True, decode_slots=p.sampler.config.decode_slots // d
     )
-    prompts = sizes.padded_count(s.rollout_prompts, d, s.group) // d
+    prompts = sizes.padded_count(s.rollout_prompts, d) // d
     return Shard(config, engine.geometry(config, prompts, s.group, s.prompt_len), prompts, d)
 
 
@@ -130,7 +130,7 @@ def step_program(p: programs.Programs, c, layers: int) -> programs.Lowerable:
         st = engine.step(m, params, sh.config, geo, first(prompts), group, first(u_BxN), first(st))
         return jax.tree.map(lambda x: x[None], st)
 
-    fn = jax.jit(engine.loop_per_data_shard(per_shard, mesh), donate_argnums=(1,))
+    fn = jax.jit(sharding.loop_per_data_shard(per_shard, mesh), donate_argnums=(1,))
     args = (_params(m, mesh), state, jax.tree.map(stacked, prompts), stacked(u_BxN), _scalar(mesh))
     return programs.Lowerable(_InMesh(fn, mesh), args, ())
 
@@ -144,7 +144,7 @@ def prefill_program(p: programs.Programs, c) -> programs.Lowerable:
     def per_shard(params, prompt_PxL, mask_PxL, _, __):
         return engine.prefill_pages(m, params, prompt_PxL, mask_PxL, sh.geometry)[None]
 
-    fn = jax.jit(engine.loop_per_data_shard(per_shard, mesh))
+    fn = jax.jit(sharding.loop_per_data_shard(per_shard, mesh))
     prompt = lambda dtype: jax.ShapeDtypeStruct((sh.prompts * sh.shards, s.prompt_len), dtype, sharding=rows)
     uids = jax.ShapeDtypeStruct((sh.prompts * sh.shards,), jnp.int32, sharding=rows)
     return programs.Lowerable(

@@ -191,7 +191,8 @@ def decode_step(q_BxKxRxE, k_BxKxE, v_BxKxE, pool_AxZxUxE, refs: PageRefs, layer
     query attends over its `refs.lengths_B[b]` keys. Where `uses_kernel`, by the Pallas kernel
     in a `jax.shard_map` over the mesh's `tensor` axis (a Mosaic kernel is not partitioned: each
     chip writes and reads its K / T kv heads, 2K / T combined ones of the pool as it lies), or
-    directly where `tensor` is manual already (a loop per device holds its heads); elsewhere by
+    directly where `tensor` is manual already (inside a caller's shard_map over every axis, the
+    chip holds its heads); elsewhere by
     `paged_decode_attention`, in blocks of B runs (`RUN_PAGES` x B pages)."""
     m = pool_AxZxUxE.shape[0] // layers
     first = refs.layer * m
@@ -208,7 +209,7 @@ def decode_step(q_BxKxRxE, k_BxKxE, v_BxKxE, pool_AxZxUxE, refs: PageRefs, layer
         return out_BxKxRxE, pool_AxZxUxE
 
     args = (q_BxKxRxE, k_BxKxE, v_BxKxE, pool_AxZxUxE, page_B, refs.write_slot_B, refs.lengths_B, table_BxI)
-    if not kernel or "tensor" in jax.sharding.get_abstract_mesh().manual_axes:  # (a loop per device)
+    if not kernel or "tensor" in jax.sharding.get_abstract_mesh().manual_axes:  # (inside a shard_map)
         return step(*args)
     heads, pool, rep = PartitionSpec(None, "tensor"), PartitionSpec(None, None, "tensor"), PartitionSpec()
     return jax.shard_map(

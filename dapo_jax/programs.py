@@ -245,9 +245,9 @@ def _params(m: model.Transformer, mesh: Mesh):
 
 def _sampler_inputs(s: Sampler, prompts: int, prompt_len: int, n: int) -> Lowerable:
     """One micro-batch's program as `Sampler.generate` calls it: its prompts filled up to a count
-    whose rows split over the sampler's devices (`sizes.padded_count`)."""
+    that splits over the sampler's data x fsdp shards (`sizes.padded_count`)."""
     rep = sharding.replicated(s.mesh)
-    prompts = sizes.padded_count(prompts, s.mesh.shape["data"] * s.mesh.shape["fsdp"], n)
+    prompts = sizes.padded_count(prompts, s.mesh.shape["data"] * s.mesh.shape["fsdp"])
     args = (
         _params(s.model, s.mesh),
         jax.ShapeDtypeStruct((prompts, prompt_len), jnp.int32, sharding=rep),

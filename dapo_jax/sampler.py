@@ -8,29 +8,27 @@ after, at position `prompt_len - 1 + t`. A row reads cache slot s iff s holds a 
 or a token it fed, and s <= L-1+t. A row ends at an id of `eos_ids` (kept and counted in its
 length) or after N tokens (truncated).
 
-Three loops, chosen by `paged` and `decode_slots`:
-- Fixed batch (0): the prefill caches are repeated G times and all B = P*G rows decode together,
+Two loops, chosen by `paged`:
+- The engine (`paged`, `engine.py`): continuous batching in S = `decode_slots` slots (0: all
+  rows) over a paged KV cache, a pool of `kv_pages` pages of `page_size` slots, each row
+  attending over only the pages it holds; a prompt's full pages shared by its G rows. A row
+  ends, its slot and pages free at once, the next waiting row starts: the loop's steps follow
+  the sum of the rows' lengths over S, not the longest. The TPU configs' path.
+- Fixed batch: the prefill caches are repeated G times and all B = P*G rows decode together,
   at the same t, until every row has ended. It runs in `decode_chunks` phases, each a
   `while_loop` whose caches hold only the slots filled by the phase's end (`decode_phases`, grown
   with empty slots between phases): early steps read less cache. Rows that have ended still cost
-  a row of every step until the longest ends.
-- Continuous batching (S > 0): S decode slots, each with a cache of L + N - 1 slots, serve the B
-  rows in order. A row starts when a slot frees: its prompt's prefill (computed once per prompt)
-  is copied into the slot, and it decodes at its own t beside rows at other steps. The loop's
-  steps follow the sum of the rows' lengths over S, not the longest; S bounds the KV cache.
-- The engine (`paged`, `engine.py`): continuous batching in S slots (0: all rows) over a paged
-  KV cache, a pool of `kv_pages` pages of `page_size` slots, each row attending over only the
-  pages it holds; a prompt's full pages shared by its G rows.
+  a row of every step until the longest ends. XLA:CPU's faster loop at uniform lengths, where
+  the engine's page gathers cost more than the rows it saves (experiments/README.md).
 
-Devices. On a mesh of d > 1 devices whose only split is the batch (data; fsdp = tensor = 1: each
-device holds all the weights), each device runs the loop by itself (`jax.shard_map`) on its P / d
-prompts (P filled up to a multiple of d with copies of the last prompt, whose rows are dropped),
-all their rows, in S / d slots: no collective in the loop, and a device whose rows have ended
-stops. With `paged` (the engine) on a mesh that also splits the weights over tensor, each data x
-fsdp shard runs its own loop likewise (`engine.loop_per_data_shard`), tensor parallel inside.
-Otherwise one loop spans the mesh: its batch sharded, its stopping test and slot refills
-agreed across devices at every step, which on CPU devices cost more than the slots saved
-(figures: experiments/README.md).
+Devices. P is filled up to a multiple of the d data x fsdp shards with copies of the last prompt,
+whose rows are dropped. With the engine, or on a mesh that splits only the batch, each shard
+runs the loop by itself (`sharding.loop_per_data_shard`) on its P / d prompts, all their rows,
+tensor parallel inside: no shard waits for another's longest row. The fixed batch on a mesh
+that also splits the weights runs one loop over the mesh, its stopping test agreed at every
+step: XLA's partitioning of its cache puts collective permutes in the loop, which on XLA:CPU
+wait for every device of the mesh, so loops that stop at different steps deadlock (seen with
+bf16 weights on data 4 x tensor 2).
 
 The rows' tokens and log-probs do not depend on the loop, the slot count, the batch, the devices
 or the slots a row is given (to float rounding of the attention sums, ~1e-7).
@@ -47,7 +45,6 @@ samples do not depend on the other rows of the batch.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import NamedTuple
 
@@ -55,7 +52,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh
 
 from dapo_jax import sharding, sizes
 from dapo_jax.model import (
@@ -90,8 +87,8 @@ class SamplingConfig:
     top_k: int = 0  # keep the k most likely tokens; 0 keeps all
     greedy: bool = False  # argmax instead of sampling (logp still under log_softmax(logits / T))
     decode_chunks: int = 4  # the fixed batch's phases; each attends over the slots filled by its end
-    decode_slots: int = 0  # S: rows decoded at once by continuous batching (0: all rows, fixed batch)
     paged: bool = False  # the engine (`engine`): continuous batching over a paged KV cache
+    decode_slots: int = 0  # S: the engine's rows decoded at once (0: all rows)
     page_size: int = 16  # Z: KV slots per page of the engine's pool
     kv_pages: int = 0  # M: pages of the engine's pool per loop (0: every slot at N tokens)
 
@@ -113,7 +110,12 @@ class SamplingConfig:
         if self.decode_chunks < 1:
             raise ValueError(f"decode_chunks must be >= 1, got {self.decode_chunks}")
         if self.decode_slots < 0:
-            raise ValueError(f"decode_slots must be >= 0 (0: a fixed batch), got {self.decode_slots}")
+            raise ValueError(f"decode_slots must be >= 0 (0: every row), got {self.decode_slots}")
+        if self.decode_slots and not self.paged:
+            raise ValueError(
+                f"decode_slots {self.decode_slots} sets the engine's slots: set paged=True "
+                "(continuous batching runs on the engine), or decode_slots=0 for a fixed batch"
+            )
         if self.page_size < 1 or self.kv_pages < 0:
             raise ValueError(
                 f"page_size must be >= 1 and kv_pages >= 0, got {self.page_size}, {self.kv_pages}"
@@ -340,116 +342,17 @@ def _fixed_batch_rollout(
     return _outputs(out.tokens_BxN, out.logp_BxN, out.ended_B, out.length_B)
 
 
-class _SlotState(NamedTuple):
-    row_S: jax.Array  # the row each decode slot serves; B when it has none
-    step_S: jax.Array  # t: tokens that row has sampled
-    feed_S: jax.Array  # the token it feeds next, at cache slot L-1+t
-    caches: list[KVCache] | KVCache  # per layer, or stacked (scanned model); S rows
-    next_row: jax.Array  # rows below it have had a slot
-    tokens_BxN: jax.Array
-    logp_BxN: jax.Array
-    ended_B: jax.Array  # sampled an end id
-    length_B: jax.Array
-
-
-def _copy_prefill(caches, prefill_caches, starting_S, p_S, config: ModelConfig):
-    """`caches` whose starting slots hold prompt p_S's prefill in their first L-1 cache slots."""
-    lead = cache_layer_axes(caches)
-
-    def put(x, prefix, axis):
-        head = (slice(None),) * (lead + axis) + (slice(0, prefix.shape[lead + axis]),)
-        start = starting_S.reshape((1,) * lead + (-1, 1, 1, 1))
-        return x.at[head].set(jnp.where(start, jnp.take(prefix, p_S, axis=lead), x[head]))
-
-    axes = cache_slot_axes(config)
-    pairs = zip(_cache_list(caches), _cache_list(prefill_caches))
-    return _from_list([KVCache(*map(put, c, pc, axes)) for c, pc in pairs], caches)
-
-
-def _start_rows(st: _SlotState, free_S, prefill_caches, last_P, n: int, config: ModelConfig) -> _SlotState:
-    """Free slots given the next waiting rows in order (none left: no row, B); a starting row's
-    cache gets its prompt's prefill and it feeds the prompt's last token at t = 0."""
-    b = st.tokens_BxN.shape[0]
-    row_S = jnp.minimum(jnp.where(free_S, st.next_row + jnp.cumsum(free_S) - 1, st.row_S), b)
-    starting_S = free_S & (row_S < b)
-    p_S = jnp.minimum(row_S, b - 1) // n
-    caches = st.caches
-    if prefill_caches is not None:  # L > 1: prompt slots to copy, only when a row starts
-        copy = lambda c: _copy_prefill(c, prefill_caches, starting_S, p_S, config)
-        caches = jax.lax.cond(starting_S.any(), copy, lambda c: c, caches)
-    return st._replace(
-        row_S=row_S,
-        step_S=jnp.where(free_S, 0, st.step_S),
-        feed_S=jnp.where(free_S, last_P[p_S], st.feed_S),
-        caches=caches,
-        next_row=jnp.minimum(st.next_row + free_S.sum(), b),
-    )
-
-
-def _slot_rollout(model, config: SamplingConfig, n: int, params, prompt_PxL, mask_PxL, u_BxN) -> Samples:
-    """The P*n rows decoded by continuous batching in S = `decode_slots` slots (fewer if fewer rows)."""
-    p, l = prompt_PxL.shape
-    n_new, b = config.max_new_tokens, p * n
-    s, c = min(config.decode_slots, b), l - 1 + n_new
-    prefill_caches = None
-    if l > 1:
-        prefill_caches = prefill(model, params, prompt_PxL[:, :-1], mask_PxL[:, :-1], l - 1)
-        prefill_caches = _constrain_caches(prefill_caches, model.config)
-    readable_PxC = jnp.pad(mask_PxL, ((0, 0), (0, c - l)), constant_values=True)
-    first_pos_P = mask_PxL.sum(-1, dtype=jnp.int32) - 1
-    eos_E = jnp.asarray(config.eos_ids, jnp.int32).reshape(-1)
-
-    def body(st: _SlotState) -> _SlotState:
-        active_S = st.row_S < b
-        row_S = jnp.minimum(st.row_S, b - 1)
-        slot_S = l - 1 + st.step_S
-        attn_SxC = readable_PxC[row_S // n] & (jnp.arange(c) <= slot_S[:, None])
-        positions_S = first_pos_P[row_S // n] + st.step_S
-        logits_SxV, caches = decode_step(model, params, st.feed_S, positions_S, attn_SxC, st.caches, slot_S)
-        token_S, logp_S = sample_token(logits_SxV, u_BxN[row_S, st.step_S], config)
-        ended_S = jnp.isin(token_S, eos_E)
-        done_S = active_S & (ended_S | (st.step_S + 1 == n_new))
-        out_S, fin_S = jnp.where(active_S, st.row_S, b), jnp.where(done_S, st.row_S, b)  # B: dropped
-        st = st._replace(
-            step_S=st.step_S + 1,
-            feed_S=token_S,
-            caches=_constrain_caches(caches, model.config),
-            tokens_BxN=st.tokens_BxN.at[out_S, st.step_S].set(token_S, mode="drop"),
-            logp_BxN=st.logp_BxN.at[out_S, st.step_S].set(logp_S, mode="drop"),
-            ended_B=st.ended_B.at[fin_S].set(ended_S, mode="drop"),
-            length_B=st.length_B.at[fin_S].set(st.step_S + 1, mode="drop"),
-        )
-        return _start_rows(st, ~active_S | done_S, prefill_caches, prompt_PxL[:, -1], n, model.config)
-
-    idle_S = jnp.full((s,), b, jnp.int32)
-    st = _SlotState(
-        row_S=idle_S,
-        step_S=jnp.zeros((s,), jnp.int32),
-        feed_S=jnp.zeros((s,), jnp.int32),
-        caches=_constrain_caches(init_cache(model.config, s, c), model.config),
-        next_row=jnp.zeros((), jnp.int32),
-        tokens_BxN=jnp.full((b, n_new), config.pad_id, jnp.int32),
-        logp_BxN=jnp.zeros((b, n_new), jnp.float32),
-        ended_B=jnp.zeros((b,), bool),
-        length_B=jnp.zeros((b,), jnp.int32),
-    )
-    st = _start_rows(st, jnp.ones((s,), bool), prefill_caches, prompt_PxL[:, -1], n, model.config)
-    st = jax.lax.while_loop(lambda st: jnp.any(st.row_S < b), body, st)
-    return _outputs(st.tokens_BxN, st.logp_BxN, st.ended_B, st.length_B)
-
-
 def rollout(
     model: Transformer, config: SamplingConfig, n: int, params, prompt_PxL, mask_PxL, uids_P, rng
 ) -> Samples:
-    """G = `n` completions of each of P left-padded prompts (pure; jitted by `Sampler`): a fixed
-    batch, or continuous batching in `config.decode_slots` slots."""
+    """G = `n` completions of each of P left-padded prompts (pure; jitted by `Sampler`): the
+    engine (`config.paged`) or the fixed batch."""
     u_BxN = _row_uniforms(rng, uids_P, n, config.max_new_tokens)
     if config.paged:
         from dapo_jax import engine  # noqa: PLC0415 - the engine builds on this module
 
         return engine.paged_rollout(model, config, n, params, prompt_PxL, mask_PxL.astype(bool), u_BxN)[0]
-    loop = _slot_rollout if config.decode_slots else _fixed_batch_rollout
-    return loop(model, config, n, params, prompt_PxL, mask_PxL.astype(bool), u_BxN)
+    return _fixed_batch_rollout(model, config, n, params, prompt_PxL, mask_PxL.astype(bool), u_BxN)
 
 
 def _fit_bucket(prompt_PxL: np.ndarray, mask_PxL: np.ndarray, buckets: tuple[int, ...], pad_id: int):
@@ -474,35 +377,11 @@ def _fit_bucket(prompt_PxL: np.ndarray, mask_PxL: np.ndarray, buckets: tuple[int
     )
 
 
-def _loop_per_device(loop, mesh: Mesh, n: int, loops=None):
-    """`loop(params, prompt_PxL, mask_PxL, uids_P, rng)` run by each of the d data x fsdp devices
-    of `mesh` on its P / d prompts, all their `n` rows (`jax.shard_map`; the weights replicated),
-    or as `loops` (the same, shard_mapped otherwise); P filled up to a multiple of d
-    (`sizes.padded_count`) with copies of the last prompt, whose rows are dropped."""
-    d = mesh.shape["data"] * mesh.shape["fsdp"]
-    rows = PartitionSpec(("data", "fsdp"))
-    loops = loops or jax.shard_map(
-        loop,
-        mesh=mesh,
-        in_specs=(PartitionSpec(), rows, rows, rows, PartitionSpec()),
-        out_specs=rows,
-        check_vma=False,
-    )
-
-    def fn(params, prompt_PxL, mask_PxL, uids_P, rng):
-        p = prompt_PxL.shape[0]
-        fill = lambda x: jnp.concatenate([x, jnp.repeat(x[-1:], sizes.padded_count(p, d) - p, axis=0)])
-        out = loops(params, fill(prompt_PxL), fill(mask_PxL), fill(uids_P), rng)
-        return jax.tree.map(lambda x: x[: p * n], out)
-
-    return fn
-
-
 def _fitted_call(fn, params, prompt_PxL, mask_PxL, uids_P, rng, n: int, devices: int) -> Samples:
-    """`fn`'s P x n rows, `fn` called on the prompts filled up to a count whose rows split over
-    `devices` (`sizes.padded_count`, copies of the last prompt) and the fill's rows dropped."""
+    """`fn`'s P x n rows, `fn` called on the prompts filled up to a multiple of `devices`
+    (`sizes.padded_count`, copies of the last prompt) and the fill's rows dropped."""
     p = prompt_PxL.shape[0]
-    fit = sizes.padded_count(p, devices, n)
+    fit = sizes.padded_count(p, devices)
     out = fn(params, *(sizes.pad_rows(x, fit) for x in (prompt_PxL, mask_PxL, uids_P)), rng)
     return out if fit == p else jax.tree.map(lambda x: x[: p * n], out)
 
@@ -511,8 +390,8 @@ class Sampler:
     """Rollouts of `model` with the trainer's parameters, where they lie on `mesh`.
 
     One compilation per (prompt bucket, P, G); `num_traces` counts them. The KV cache beside the
-    weights holds `config.decode_slots` rows with continuous batching; with a fixed batch, the
-    whole batch's rows, or with `micro_batch_prompts` that many prompts x G at a time.
+    weights holds, with the engine, `config.kv_pages` pages a shard; with a fixed batch, the
+    batch's rows, or with `micro_batch_prompts` that many prompts x G at a time.
     """
 
     def __init__(self, model: Transformer, config: SamplingConfig, mesh: Mesh, micro_batch_prompts: int = 0):
@@ -522,26 +401,20 @@ class Sampler:
         self._param_shardings = sharding.param_shardings(model, mesh)
         self._data_size = mesh.shape["data"] * mesh.shape["fsdp"]
         sizes.check_decode_slots(config.decode_slots, self._data_size)
-        self._per_device = sharding.splits_only_the_batch(mesh)  # module docstring, Devices
-        self._per_shard = config.paged and self._data_size > 1 and not self._per_device
         self._jitted = {}  # n -> jitted rollout
 
     def _rollout_fn(self, n: int):
         if n in self._jitted:
             return self._jitted[n]
-        config = self.config
-        if self._per_device or self._per_shard:  # each device's (or shard's) share of the slots
-            config = dataclasses.replace(config, decode_slots=config.decode_slots // self._data_size)
+        d = self._data_size
+        config = dataclasses.replace(self.config, decode_slots=self.config.decode_slots // d)  # a shard's
 
         def traced(*args):
             self.num_traces += 1
             return rollout(self.model, config, n, *args)
 
-        fn = _loop_per_device(traced, self.mesh, n) if self._per_device else traced
-        if self._per_shard:  # the engine: a loop per data shard, tensor parallel inside
-            from dapo_jax import engine  # noqa: PLC0415 - the engine builds on this module
-
-            fn = _loop_per_device(traced, self.mesh, n, engine.loop_per_data_shard(traced, self.mesh))
+        per_shard = d > 1 and (config.paged or sharding.splits_only_the_batch(self.mesh))
+        fn = sharding.loop_per_data_shard(traced, self.mesh) if per_shard else traced
         rep = sharding.replicated(self.mesh)
         out = Samples(
             *(sharding.batch_sharding(self.mesh, 2) for _ in range(3)),
@@ -555,8 +428,8 @@ class Sampler:
     def generate(self, params, prompt_PxL, mask_PxL, n: int, rng, uids_P=None) -> Samples:
         """`n` completions of each left-padded prompt, B = P*n rows (`Samples`). `uids_P`
         (default 0..P-1) seed each prompt's rows with its own key.
-        Any P and n: prompts whose rows do not split over the data x fsdp devices are filled up to
-        a count that does (`sizes.padded_count`) with copies of the last one, whose rows are
+        Any P and n: prompts that do not split over the data x fsdp shards are filled up to a
+        count that does (`sizes.padded_count`) with copies of the last one, whose rows are
         dropped (the rows then come back replicated)."""
         p = prompt_PxL.shape[0]
         uids_P = np.arange(p, dtype=np.int32) if uids_P is None else np.asarray(uids_P, np.int32)
@@ -573,20 +446,7 @@ class Sampler:
 
     def program(self, n: int):
         """The compiled rollout of one micro-batch, `n` samples a prompt: `fn(params, prompt_PxL,
-        mask_PxL, uids_P, rng) -> Samples` of P*n rows (prompts in a bucket, left padded), and
-        `fn.lower(...)` of the same arguments as ShapeDtypeStructs (the AOT check). The one entry
-        of the rollout's program, built once per n."""
-        jitted = self._rollout_fn(n)
-        # a device's own loop has no logical constraints to apply (the mesh is all manual there)
-        context = contextlib.nullcontext if self._per_device else lambda: sharding.activate(self.mesh)
-
-        def call(*args):
-            with context():
-                return jitted(*args)
-
-        def lower(*args):
-            with context():
-                return jitted.lower(*args)
-
-        call.lower = lower
-        return call
+        mask_PxL, uids_P, rng) -> Samples` of P*n rows (prompts in a bucket, left padded, P a
+        multiple of the data x fsdp shards), and `fn.lower(...)` of the same arguments as
+        ShapeDtypeStructs (the AOT check). The one entry of the rollout's program, built once per n."""
+        return sharding.on_mesh(self._rollout_fn(n), self.mesh)

@@ -61,6 +61,29 @@ def use_cpu_devices(n: int) -> None:
         jax.config.update("jax_num_cpu_devices", n)
 
 
+def loop_per_data_shard(loop, mesh: Mesh):
+    """`loop(params, prompt_PxL, mask_PxL, uids_P, rng)` run by each data x fsdp shard of `mesh` on
+    its P / d prompts, all their rows (`jax.shard_map`, manual over data and fsdp only): tensor
+    parallel inside a shard (the weights split over `tensor` as they lie, the batch axis not
+    split further), no shard waiting for another's longest row. P must split evenly."""
+    rows = PartitionSpec(("data", "fsdp"))
+    manual = ("data", "fsdp")
+    auto_only = tuple((name, None if axes in manual or axes == manual else axes) for name, axes in RULES)
+
+    def per_shard(*args):
+        with nn.logical_axis_rules(auto_only):  # inside a shard only tensor is left to split
+            return loop(*args)
+
+    return jax.shard_map(
+        per_shard,
+        mesh=mesh,
+        in_specs=(PartitionSpec(), rows, rows, rows, PartitionSpec()),
+        out_specs=rows,
+        axis_names={"data", "fsdp"},
+        check_vma=False,
+    )
+
+
 def splits_only_the_batch(mesh: Mesh) -> bool:
     """Whether `mesh` has several devices, all on the data axis (fsdp = tensor = 1): each device
     holds all the weights and can run its batch shard's decode loop or gradient by itself."""

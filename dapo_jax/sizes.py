@@ -5,7 +5,7 @@ A batch axis of d devices (the mesh's data x fsdp axes; the sampler's mesh's wit
 
 - Padded, exactly. The sampler's rows are independent of one another (each row's samples
   depend on its prompt and key alone), so any number of prompts P and responses n works: the
-  prompts are filled up to the next count that fits (`padded_count`) with copies of the last
+  prompts are filled up to the next multiple of d (`padded_count`) with copies of the last
   one (`pad_rows`), whose rows are dropped before any score, metric or loss sees them. This
   covers every generation batch (`filter.gen_batch_prompts` x `rollout.group_size`), every
   evaluation (`eval.samples`, `eval.batch_prompts`, `eval.max_problems`, any number of
@@ -15,14 +15,13 @@ A batch axis of d devices (the mesh's data x fsdp axes; the sampler's mesh's wit
   would need empty rows trained on in every update (or a different split), where the nearest
   sizes that fit cost nothing. `check_batch_sizes` names the key, its value, the device count
   and the nearest values that work, in one line (`ConfigError`). The log-prob pass runs on the
-  train batch, so the same checks cover it. Continuous batching's `rollout.decode_slots` (a
-  bound on the KV cache) is checked the same way (`check_decode_slots`), and so is the engine's
+  train batch, so the same checks cover it. The engine's `rollout.decode_slots` (rows decoded
+  at once) is checked the same way (`check_decode_slots`), and so is the engine's
   page pool `rollout.kv_pages` against the prompts of its largest loop (`check_kv_pages`).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
@@ -40,10 +39,10 @@ class BatchAxes(NamedTuple):
     rollout: int  # d_r: the sampler mesh's data x fsdp (data alone with rollout.tensor_parallel)
 
 
-def padded_count(count: int, devices: int, rows_each: int = 1) -> int:
-    """The smallest c >= `count` whose c x `rows_each` rows split over `devices`."""
-    step = devices // math.gcd(devices, rows_each)
-    return -(-count // step) * step
+def padded_count(count: int, devices: int) -> int:
+    """The smallest multiple of `devices` at least `count`: prompts that split over the sampler's
+    data x fsdp shards, each shard decoding its own prompts' rows."""
+    return -(-count // devices) * devices
 
 
 def pad_rows(x, count: int) -> np.ndarray:
@@ -92,13 +91,12 @@ def batch_axes(mesh: Mapping[str, int], tensor_parallel: int, devices: int) -> B
 
 
 def check_decode_slots(slots: int, devices: int) -> None:
-    """`rollout.decode_slots` S (0: a fixed batch) splits over the sampler's d_r devices."""
+    """`rollout.decode_slots` S (0: every row) splits over the sampler's d_r shards."""
     if slots % devices:
         raise _error(
             "rollout.decode_slots",
             slots,
-            f"continuous batching's slots split over the {devices} devices of the sampler mesh's "
-            "data x fsdp axes",
+            f"the engine's slots split over the {devices} devices of the sampler mesh's data x fsdp axes",
             lambda v: v % devices == 0,
             slots + devices,
         )
@@ -183,6 +181,12 @@ def check_batch_sizes(c, devices: int) -> BatchAxes:
     check_train_sizes(
         t.train_batch_prompts, t.mini_batch_prompts, t.micro_batch_size, c.rollout.group_size, axes.train
     )
+    if c.rollout.decode_slots and not c.rollout.paged:
+        raise ConfigError(
+            f"rollout.decode_slots {c.rollout.decode_slots} sets the engine's slots, which "
+            "rollout.paged = False does not run: set rollout.paged = True, or rollout.decode_slots = 0 "
+            "for a fixed batch"
+        )
     check_decode_slots(c.rollout.decode_slots, axes.rollout)
     check_kv_pages(c, axes.rollout)
     return axes

@@ -1,6 +1,8 @@
-"""Rollout throughput at a long-tailed length distribution: the fixed-batch sampler against
-continuous batching (`SamplingConfig.decode_slots`) and the engine (`SamplingConfig.paged`:
-continuous batching over a paged KV cache), in one invocation, on one tiny random Qwen2.
+"""Rollout throughput at a long-tailed length distribution: the fixed-batch sampler against the
+engine (`SamplingConfig.paged`: continuous batching in `decode_slots` slots over a paged KV
+cache), in one invocation, on one tiny random Qwen2. (The unpaged slot loop and the loop per
+device it was also compared with retired at the engine's landing; their figures stay in
+experiments/README.md.)
 
 The model: the peer benchmark's Qwen2 (experiments/peers/workload.py: hidden 128, 5 layers,
 vocabulary 128, q/k/v bias) with random weights, its LM head scaled by `--head_scale` so that the
@@ -11,7 +13,7 @@ the model had its q/k/v bias (the script prints what it measured). Useful tokens
 lengths (non-pad tokens); each sampler is timed after its compilation, the runs alternating, the
 median of `--repeats`. Both samplers return the same rows (checked here).
 
-    PYTHONPATH=. python experiments/bench_rollout.py                    # long tail, limit 256
+    PYTHONPATH=. python experiments/bench_rollout.py --engine 16 64     # long tail, limit 256
     PYTHONPATH=. python experiments/bench_rollout.py --new 64 --end_ids 0  # uniform: every row 64
     PYTHONPATH=. python experiments/bench_rollout.py --devices 1 2      # also on 2 CPU devices
     PYTHONPATH=. python experiments/bench_rollout.py --engine 16 64 --new 2048 --vocab 2048
@@ -110,8 +112,7 @@ def _args():
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--new", type=int, default=256, help="N, the response length limit")
     ap.add_argument("--prompt", type=int, default=16)
-    ap.add_argument("--slots", type=int, nargs="*", default=[16], help="continuous batching's S")
-    ap.add_argument("--engine", type=int, nargs="*", default=[], help="the engine's S (slots)")
+    ap.add_argument("--engine", type=int, nargs="*", default=[16], help="the engine's S (slots)")
     ap.add_argument("--page", type=int, default=16, help="the engine's page size Z")
     ap.add_argument("--end_ids", type=int, default=2, help="ids 1..k end a row (0: none)")
     ap.add_argument("--head_scale", type=float, default=8.0)
@@ -136,11 +137,6 @@ def samplers(args, config, cfg, tokens, mask):
         m, mesh, params = random_model(config, args.head_scale, d)
         on = "" if args.devices == [1] else f" on {d} device{'s' if d > 1 else ''}"
         runs[f"fixed batch{on}"] = timed(sampler.Sampler(m, cfg, mesh), params, tokens, mask, args.group)
-        for s in args.slots:
-            slot_cfg = dataclasses.replace(cfg, decode_slots=s)
-            runs[f"{s} slots{on}"] = timed(
-                sampler.Sampler(m, slot_cfg, mesh), params, tokens, mask, args.group
-            )
         for s in args.engine:
             paged = dataclasses.replace(cfg, decode_slots=s, paged=True, page_size=args.page)
             runs[f"engine, {s} slots{on}"] = timed(

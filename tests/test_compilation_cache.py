@@ -60,8 +60,8 @@ def test_a_relaunch_compiles_nothing_the_first_run_compiled(tmp_path):
     misses = [name for kind, name, _ in again if kind == "miss"]
     print(f"first run: {len(compiled_first)} compiled; relaunch: {len(hits)} read, {len(misses)} compiled")
     assert len(compiled_first) > 5 and len(hits) > 5
-    # the relaunch's step reads the first run's update, log-prob pass and rollout (`fn`: the
-    # per-device decode loop of the tiny run's data-only mesh)
-    for module in ("jit__train_step", "jit_compute_logprobs", "jit_fn"):
+    # the relaunch's step reads the first run's update, log-prob pass and rollout (`per_shard`:
+    # the decode loop of each device of the tiny run's data-only mesh)
+    for module in ("jit__train_step", "jit_compute_logprobs", "jit_per_shard"):
         assert module in modules_first and module in hits
     assert not set(misses) & modules_first, sorted(set(misses) & modules_first)

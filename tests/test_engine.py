@@ -90,3 +90,15 @@ def test_a_loop_per_data_shard_with_tensor_parallel_inside_equals_one_device(qwe
     assert groups and "collective-permute" not in hlo and groups <= {"[2,2]<=[4]", "{{0,1},{2,3}}"}, groups
     out = jax.device_get(s.generate(mesh_params, prompt, mask, 2, key, uids_P=uids))
     _assert_same_rows(out, ref, "data 2 x tensor 2")
+
+
+@pytest.mark.parametrize(
+    "prompts, group, slots, want",
+    [(192, 16, 64, 4), (6, 4, 16, 3), (5, 3, 4, 1), (5, 3, 0, 5), (7, 2, 6, 1), (4, 4, 8, 2)],
+)
+def test_prefill_chunks_are_the_prompts_that_fill_the_slots(prompts, group, slots, want):
+    """The prefill's chunk by hand: the largest divisor of P up to ceil(S / G) (S = 0: every row),
+    e.g. 192 prompts of G = 16 in 64 slots: 4 a chunk; 6 prompts of 4 in 16 slots: 3 (4 does not
+    divide 6); 7 prompts, 3 wanted: 1."""
+    cfg = _config(max_new_tokens=8, paged=True, decode_slots=slots, page_size=4)
+    assert engine.geometry(cfg, prompts, group, 8).prefill_prompts == want

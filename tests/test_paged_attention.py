@@ -125,7 +125,7 @@ def test_decode_step_runs_the_kernel_on_tpu_heads_split_over_tensor():
     """On a mesh of 4 abstract v5p chips (tensor 4) `decode_step` of layer 1 of a 2-layer pool
     runs the Pallas kernel on each chip's 2 of 8 kv heads (in a shard_map over tensor), and
     writes the donated pool in place: the compiler's temporaries hold less than one chip's
-    share of the pool. Inside a shard_map manual over tensor already (a loop per device) it calls
+    share of the pool. Inside a shard_map manual over tensor already (a caller's, over every axis) it calls
     the kernel on the chip's heads as they are."""
     mesh = jax.sharding.Mesh(np.asarray(_abstract_tpu_devices()), ("tensor",))
     b, k, r, e, m, z, i = 16, 8, 4, 128, 512, 16, 8

@@ -264,32 +264,11 @@ def test_rollout_micro_batches_leave_rollouts_unchanged(qwen2, single):
     np.testing.assert_allclose(split.logp_BxN, whole.logp_BxN, atol=1e-5)
 
 
-def test_continuous_batching_equals_the_fixed_batch(qwen2, single):
-    """Rows of mixed lengths (ends and truncations), prompts of mixed lengths: every slot count
-    gives each row the fixed batch's tokens, log-probs, lengths and ends, whatever slots it gets."""
-    m, params = qwen2
-    prompt, mask = _prompts([8, 3, 6, 1, 5], 8, seed=8)
-    cfg = _config(eos_ids=tuple(range(3, 11)), temperature=0.8, top_k=40)
-    generate = lambda slots: jax.device_get(
-        sampler.Sampler(m, dataclasses.replace(cfg, decode_slots=slots), single).generate(
-            params, prompt, mask, 3, jax.random.key(5), uids_P=[4, 1, 7, 2, 9]
-        )
-    )
-    fixed = generate(0)
-    lengths = fixed.length_B
-    assert fixed.truncated_B.any() and len(set(lengths[~fixed.truncated_B].tolist())) > 3
-    for slots in (1, 4, 64):  # one slot serves every row in turn; 64: more slots than rows
-        out = generate(slots)
-        for k in ("tokens_BxN", "length_B", "truncated_B", "mask_BxN"):
-            np.testing.assert_array_equal(getattr(out, k), getattr(fixed, k), err_msg=f"{k}, {slots} slots")
-        np.testing.assert_allclose(out.logp_BxN, fixed.logp_BxN, atol=1e-6, err_msg=f"{slots} slots")
-
-
-@pytest.mark.parametrize("slots", [0, 8])
-def test_a_loop_per_device_equals_one_device(qwen2_dir, qwen2, single, slots):
+@pytest.mark.parametrize("paged,slots", [(False, 0), (True, 8)])
+def test_a_loop_per_device_equals_one_device(qwen2_dir, qwen2, single, paged, slots):
     """On a data-only mesh of 4 devices, a loop per device (`shard_map`, no collective in the
     program; 6 prompts filled up to 8): every row gets the tokens, lengths and log-probs of one
-    device's fixed batch, with fixed batches and with slots."""
+    device's fixed batch, with fixed batches and with the engine's slots."""
     m, params = qwen2
     prompt, mask = _prompts([8, 3, 6, 1, 5, 7, 2, 8], 8, seed=9)
     cfg = _config(eos_ids=tuple(range(3, 11)), temperature=0.8)
@@ -299,17 +278,18 @@ def test_a_loop_per_device_equals_one_device(qwen2_dir, qwen2, single, slots):
     assert ref.truncated_B.any() and not ref.truncated_B.all()
     mesh = sharding.make_mesh({"data": 4}, devices=jax.devices()[:4])
     _, mesh_params = _load(qwen2_dir, mesh)
-    s = sampler.Sampler(m, dataclasses.replace(cfg, decode_slots=slots), mesh)
+    s = sampler.Sampler(m, dataclasses.replace(cfg, paged=paged, decode_slots=slots, page_size=4), mesh)
     for p in (8, 4, 6):
         out = s.generate(mesh_params, prompt[:p], mask[:p], 2, key, uids_P=uids[:p])
-        assert out.tokens_BxN.sharding.spec == P(("data", "fsdp"), None)
+        if p % 4 == 0:  # filled prompts' rows come back replicated, after the fill's are dropped
+            assert out.tokens_BxN.sharding.spec == P(("data", "fsdp"), None)
         out = jax.device_get(out)
         for k in ("tokens_BxN", "length_B", "truncated_B", "mask_BxN"):
             np.testing.assert_array_equal(
                 getattr(out, k), getattr(ref, k)[: 2 * p], err_msg=f"{k}, {p} prompts"
             )
         np.testing.assert_allclose(out.logp_BxN, ref.logp_BxN[: 2 * p], atol=1e-6)
-    assert s.num_traces == 3  # one program per P
+    assert s.num_traces == 2  # one program per P after the fill: 6 prompts run as 8
     rows = (mesh_params, prompt[:4], mask[:4], np.asarray(uids[:4], np.int32), key)
     hlo = s._rollout_fn(2).lower(*rows).compile().as_text()
     assert "all-reduce" not in hlo and "all-gather" not in hlo
@@ -318,21 +298,23 @@ def test_a_loop_per_device_equals_one_device(qwen2_dir, qwen2, single, slots):
 def test_decode_slots_are_checked(qwen2):
     m, _ = qwen2
     with pytest.raises(ValueError, match="decode_slots must be >= 0"):
-        _config(decode_slots=-1)
+        _config(paged=True, decode_slots=-1)
+    with pytest.raises(ValueError, match="decode_slots 4 sets the engine's slots: set paged=True"):
+        _config(decode_slots=4)
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     with pytest.raises(ValueError, match="decode_slots 6: .* over the 4 devices .* 4 and 8$"):
-        sampler.Sampler(m, _config(decode_slots=6), mesh)
-    sampler.Sampler(m, _config(decode_slots=8), mesh)
+        sampler.Sampler(m, _config(paged=True, decode_slots=6), mesh)
+    sampler.Sampler(m, _config(paged=True, decode_slots=8), mesh)
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_transposed_keys_leave_rollouts_unchanged(qwen2_dir, single, scan_layers):
     """Keys cached as [B, K, H, S]: the plain layout's rollouts, through grown decode phases
-    (fixed batch) and prefills copied into slots (continuous batching), per-layer or stacked."""
+    (fixed batch) and prefills copied into pages (the engine), per-layer or stacked."""
     prompt, mask = _prompts([8, 3, 6, 5], 8, seed=9)
     cfgs = [
         _config(eos_ids=tuple(range(3, 15)), decode_chunks=3),
-        _config(eos_ids=tuple(range(3, 15)), decode_slots=3),
+        _config(eos_ids=tuple(range(3, 15)), paged=True, decode_slots=3, page_size=4),
     ]
     out = {}
     for transposed in (False, True):

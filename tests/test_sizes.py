@@ -26,19 +26,11 @@ OVER_2 = "the 2 devices of the mesh's data x fsdp axes"
 
 
 @pytest.mark.parametrize(
-    "count,devices,rows_each,want",
-    [
-        (125, 2, 1, 126),
-        (125, 2, 3, 126),
-        (125, 2, 2, 125),
-        (6, 4, 1, 8),
-        (6, 4, 2, 6),
-        (3, 8, 16, 3),
-        (0, 2, 1, 0),
-    ],
+    "count,devices,want",
+    [(125, 2, 126), (126, 2, 126), (6, 4, 8), (3, 8, 8), (8, 8, 8), (1, 1, 1), (0, 2, 0)],
 )
-def test_padded_count_by_hand(count, devices, rows_each, want):
-    assert sizes.padded_count(count, devices, rows_each) == want
+def test_padded_count_by_hand(count, devices, want):
+    assert sizes.padded_count(count, devices) == want
 
 
 def test_pad_rows_and_nearest_by_hand():
@@ -85,9 +77,14 @@ def test_pad_rows_and_nearest_by_hand():
             f"of 2, 4, 8, 16, 32 or 64 rows, each split over {OVER_2}; nearest value that works: 2",
         ),
         (
-            {"rollout.decode_slots": 3},
-            "rollout.decode_slots 3: continuous batching's slots split over the 2 devices of the sampler "
+            {"rollout.paged": True, "rollout.decode_slots": 3},
+            "rollout.decode_slots 3: the engine's slots split over the 2 devices of the sampler "
             "mesh's data x fsdp axes; nearest values that work: 2 and 4",
+        ),
+        (
+            {"rollout.decode_slots": 4},
+            "rollout.decode_slots 4 sets the engine's slots, which rollout.paged = False does not run: "
+            "set rollout.paged = True, or rollout.decode_slots = 0 for a fixed batch",
         ),
     ],
 )
@@ -110,7 +107,9 @@ def test_the_meshes_are_checked_against_the_devices():
     with pytest.raises(ConfigError, match=r"^mesh \{'data': 3, 'fsdp': 1, 'tensor': 1\} needs 3 devices"):
         config_checks.check_config(overrides.apply(dapo.get_config("tiny"), {"mesh.data": 3}), num_devices=8)
     # with 2-way tensor parallelism the sampler's data axis is 4 wide: 6 slots do not split
-    slots = overrides.apply(tp, {"rollout.tensor_parallel": 2, "rollout.decode_slots": 6})
+    slots = overrides.apply(
+        tp, {"rollout.tensor_parallel": 2, "rollout.paged": True, "rollout.decode_slots": 6}
+    )
     with pytest.raises(ConfigError, match="decode_slots 6: .* over the 4 devices .* 4 and 8$"):
         config_checks.check_config(slots, num_devices=8)
 
@@ -156,9 +155,8 @@ def one_device_rows(qwen2_dir):
         ({"data": 2}, 0, 0, False),  # a loop per device: 5 prompts filled to 6
         # rollout micro-batches of 3 + 2 prompts, each filled to 4 and 2
         pytest.param({"data": 2}, 3, 0, False, marks=pytest.mark.slow),
-        pytest.param({"data": 2}, 0, 2, False, marks=pytest.mark.slow),  # continuous batching, a slot each
-        pytest.param({"data": 2}, 0, 2, True, marks=pytest.mark.slow),  # the paged engine
-        # one loop over a data x tensor mesh: 15 rows filled to 18
+        pytest.param({"data": 2}, 0, 2, True, marks=pytest.mark.slow),  # the engine, a slot a shard
+        # one loop over a data x tensor mesh: 5 prompts filled to 6
         pytest.param({"data": 2, "tensor": 2}, 0, 0, False, marks=pytest.mark.slow),
     ],
 )
