@@ -4,7 +4,7 @@
     ALLOW_MULTIPLE_LIBTPU_LOAD=1 PYTHONPATH=. /work/tpu-venv/bin/python experiments/aot_gathers.py
 
 A small Qwen2-shaped model (scanned layers, remat, bf16 compute, f32 params) is compiled for the
-abstract chips of v5p-128 (fsdp 8 x tensor 8, `dapo_jax.aot.topology_devices`), its train step on
+abstract chips of v5p-128 (fsdp 8 x tensor 8, `dapo_jax.chips.topology_devices`), its train step on
 one mini-batch of 2 micro-batches; the compiled HLO's all-gather, reduce-scatter and all-reduce
 results are summed by dtype (a loop body counted once, as XLA's own cost analysis does).
 Measured (experiments/README.md): XLA already moves each weight's convert to bf16 before its
@@ -20,7 +20,7 @@ import re
 import jax
 import jax.numpy as jnp
 
-from dapo_jax import aot, model, sharding
+from dapo_jax import chips, model, sharding
 from dapo_jax import train_step as ts
 
 CFG = model.ModelConfig(
@@ -54,7 +54,7 @@ def collective_bytes(hlo: str) -> dict:
 
 
 def main():
-    _, devices = aot.topology_devices("v5p-128")
+    _, devices = chips.topology_devices("v5p-128")
     mesh = sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 8}, devices)
     m = model.Transformer(CFG)
     schedule = ts.learning_rate_schedule(1e-6, 0, "constant")

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from configs import dapo
-from dapo_jax import aot, overrides
+from dapo_jax import aot, aot_report, chips, dapo_lengths, overrides
 from dapo_jax.errors import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,7 +64,7 @@ def test_packed_programs_compile_fit_and_count_fewer_flops():
 
 
 def test_dapo_lengths_have_the_recipe_shape():
-    length_B = aot.dapo_lengths(8192, 2048, 20480)  # prompt (128-256 tokens) + response
+    length_B = dapo_lengths.dapo_lengths(8192, 2048, 20480)  # prompt (128-256 tokens) + response
     assert 0.035 < (length_B > 20480).mean() < 0.05  # ~4% of the responses at L_max
     assert 4000 < length_B.mean() < 4600  # a mean response of ~4k tokens, plus ~190 of prompt
 
@@ -80,10 +80,10 @@ def test_too_small_memory_is_one_line():
 
 def test_bad_topology_is_named():
     with pytest.raises(ConfigError, match="v7x-8"):
-        aot.topology_devices("v7x-8")
-    assert aot._torus(64, 3, "v5p-128") == (4, 4, 4)
-    assert aot._torus(256, 2, "v6e-256") == (16, 16)
-    assert aot._torus(128, 3, "v5p-256") == (4, 4, 8)
+        chips.topology_devices("v7x-8")
+    assert chips._torus(64, 3, "v5p-128") == (4, 4, 4)
+    assert chips._torus(256, 2, "v6e-256") == (16, 16)
+    assert chips._torus(128, 3, "v5p-256") == (4, 4, 8)
 
 
 def test_batch_sizes_are_checked_against_the_slice_before_compiling():
@@ -93,11 +93,11 @@ def test_batch_sizes_are_checked_against_the_slice_before_compiling():
 
 
 def test_a_program_the_compiler_could_not_fit_is_the_complaint():
-    """A program whose compile ran out of HBM (the row `aot.engine_rows` makes of the compiler's
+    """A program whose compile ran out of HBM (the row `aot_engine.engine_rows` makes of the compiler's
     RESOURCE_EXHAUSTED) is named with the compiler's line, before a later row that does not fit."""
     rows = [
         dict(program="engine", total_gib=float("inf"), hbm_gib=95, error="RESOURCE_EXHAUSTED: 97.60G"),
         dict(program="eval", total_gib=100.0, hbm_gib=95),
     ]
-    assert aot.check_fit(rows) == "engine: RESOURCE_EXHAUSTED: 97.60G"
-    assert aot.check_fit(rows[1:]).startswith("eval needs 100.00 GiB per chip, 5.00 GiB more")
+    assert aot_report.check_fit(rows) == "engine: RESOURCE_EXHAUSTED: 97.60G"
+    assert aot_report.check_fit(rows[1:]).startswith("eval needs 100.00 GiB per chip, 5.00 GiB more")

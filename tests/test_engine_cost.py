@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from dapo_jax import aot, engine_cost, hf_model_config
+from dapo_jax import engine_cost, hf_model_config, known_models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-QWEN_32B = hf_model_config.config_from_hf(aot.KNOWN_MODELS["Qwen2.5-32B"], dtype="bfloat16")
+QWEN_32B = hf_model_config.config_from_hf(known_models.KNOWN_MODELS["Qwen2.5-32B"], dtype="bfloat16")
 
 
 def test_steps_and_pages_by_hand():

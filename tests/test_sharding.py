@@ -148,10 +148,10 @@ def test_device_grid_keeps_the_order_of_devices_without_coordinates_and_one_slic
 
 def test_mesh_of_abstract_v5p_128_chips_splits_physical_axes():
     """The real libtpu devices of v5p-128 (the tpu extra); skipped where libtpu is absent (CI)."""
-    from dapo_jax import aot  # noqa: PLC0415
+    from dapo_jax import chips  # noqa: PLC0415
 
     try:
-        _, devices = aot.topology_devices("v5p-128")
+        _, devices = chips.topology_devices("v5p-128")
     except ConfigError as e:
         pytest.skip(f"no abstract TPU devices here: {e}")
     for sizes in ({"fsdp": -1, "tensor": 8}, {"fsdp": 16, "tensor": 4}, {"data": 2, "fsdp": 4, "tensor": 8}):
