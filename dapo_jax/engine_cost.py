@@ -12,9 +12,9 @@ b with prompts of q_b tokens and responses of r_b tokens, decoded in S slots:
   ceil((q_b + t) / Z) pages, each Z slots x 2K heads x E wide per layer (a prompt's shared pages
   are read by each row holding them); 2K / T heads lie on a chip.
 - the Pallas kernel (`paged_attention.kernel_decode_attention`) fetches a row's pages in blocks
-  of F pages, whole blocks (a block past the row's last page fetches its first page again):
-  F x ceil((q_b + t) / (Z F)) pages. Its fetches are DMAs that no count of the compiled
-  program sees (`hbm_bytes`, XLA's cost analysis); `aot` adds them to a step's bytes by this one.
+  of C pages, whole blocks (a block past the row's last page fetches its first page again):
+  C x ceil((q_b + t) / (Z C)) pages. Its fetches are DMAs that no count of the compiled
+  program sees (`hbm_bytes`, XLA's cost analysis); `aot_engine` adds them to a step's bytes by this one.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class EngineCount(NamedTuple):
     steps: int  # decode steps until the last row ends
     tokens: int  # sum of r_b: the useful tokens the shard decodes
     pairs: int  # sum over rows and steps of the pages read, (row, page) pairs per layer
-    kernel_pairs: int  # the same in the kernel's whole blocks of F pages
+    kernel_pairs: int  # the same in the kernel's whole blocks of C pages
     weight_bytes: float  # W / T: read every step
     page_bytes: float  # one page of all layers on one chip: Z x 2K / T x E x itemsize x layers
 
@@ -55,7 +55,7 @@ def engine_count(
 ):
     """`EngineCount` of rows with `prompt_B` prompt and `response_B` response tokens decoded in
     `slots` slots over pages of `page_size` on `tensor` chips, the kernel's blocks of
-    F = `block_pages` pages (module docstring)."""
+    C = `block_pages` pages (module docstring)."""
     prompt_B, response_B = np.asarray(prompt_B, np.int64), np.asarray(response_B, np.int64)
     free_S = [0] * min(slots, len(response_B))  # the step each slot frees at
     for r in response_B:
@@ -141,8 +141,8 @@ def prefill_program(p: programs.Programs, c) -> programs.Lowerable:
     mesh, sh, s = p.rollout_mesh, shard(p, c), programs.program_sizes(c)
     m, rows = p.rollout_model, NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
 
-    def per_shard(params, prompt_PxL, mask_PxL, _, __):
-        return engine.prefill_pages(m, params, prompt_PxL, mask_PxL, sh.geometry)[None]
+    def per_shard(params, prompt_PxQ, mask_PxQ, _, __):
+        return engine.prefill_pages(m, params, prompt_PxQ, mask_PxQ, sh.geometry)[None]
 
     fn = jax.jit(sharding.loop_per_data_shard(per_shard, mesh))
     prompt = lambda dtype: jax.ShapeDtypeStruct((sh.prompts * sh.shards, s.prompt_len), dtype, sharding=rows)
