@@ -113,7 +113,7 @@ def analyse(c, topology: str, hbm_gib: float | None, names) -> tuple[list[dict],
     rows = []
     for name in (n for n in PROGRAMS if n in names and n in inputs):
         fn, args, resident = inputs[name]
-        compiled, seconds = compile_timed(lambda fn=fn, args=args: fn.lower(*args))
+        compiled, seconds = compile_timed(fn, args)
         resident = programs.per_chip_bytes(resident)
         rows.append(report_row(name, compiled, chip, hbm_gib, flops[name] / len(devices), resident, seconds))
     if "decode" in names:

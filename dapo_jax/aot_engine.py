@@ -107,7 +107,7 @@ def _engine_programs(p, paged, devices, chip: Chip, hbm_gib: float, flops: float
         ("engine_prefill", engine_cost.prefill_program(p, paged), flops),
     ):
         try:
-            compiled, seconds = compile_timed(lambda fn=fn, args=args: fn.lower(*args))
+            compiled, seconds = compile_timed(fn, args)
         except jax.errors.JaxRuntimeError as e:  # the compiler's own "does not fit"
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
@@ -129,14 +129,12 @@ def _step_bytes(p, paged, devices, slots: int) -> tuple[list[float], float, floa
     step = []
     for layers in (1, 2):
         fn, args, _ = engine_cost.step_program(p, paged, layers)
-        step.append(hlo_bytes(compile_timed(lambda fn=fn, args=args: fn.lower(*args))[0]))
+        step.append(hlo_bytes(compile_timed(fn, args)[0]))
     attention = {}
     for blocks in (1, 2):
         for name, (fn, args, _) in engine_cost.attention_programs(p, paged, blocks * slots).items():
             if name == "pure" or (blocks == 1 and devices[0].platform == "tpu"):  # a TPU kernel
-                attention[name, blocks] = hlo_bytes(
-                    compile_timed(lambda fn=fn, args=args: fn.lower(*args))[0]
-                )
+                attention[name, blocks] = hlo_bytes(compile_timed(fn, args)[0])
     pair = (attention["pure", 2] - attention["pure", 1]) / slots
     return step, pair, attention.get(("kernel", 1), 0.0)
 

@@ -69,11 +69,11 @@ def report_row(name, compiled, chip: Chip, hbm_gib: float, flops: float, residen
     return row
 
 
-def compile_timed(lowered_fn):
-    """The compiled program and (wall, CPU) seconds of lowering + compiling it: the CPU seconds of
-    this process bound the wall time on an idle machine when other jobs share the cores."""
+def compile_timed(fn, args):
+    """`fn` compiled for `args` and the (wall, CPU) seconds of lowering + compiling it: the CPU
+    seconds of this process bound the wall time on an idle machine when other jobs share the cores."""
     start, cpu = time.perf_counter(), time.process_time()
-    compiled = lowered_fn().compile()
+    compiled = fn.lower(*args).compile()
     return compiled, (time.perf_counter() - start, time.process_time() - cpu)
 
 

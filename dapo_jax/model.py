@@ -487,15 +487,21 @@ def _decoder_stack(c: ModelConfig, x_BxTxD, rope, attn_BxTxS, caches, cache_inde
             )
             new_caches.append(cache)
         return x_BxTxD, (None if caches is None else new_caches)
-    stack = nn.scan(
-        layer_cls,
+    stack = _scan_layers(c, layer_cls, in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast))
+    return stack(c, name="layers")(x_BxTxD, rope, attn_BxTxS, caches, cache_index_B)
+
+
+def _scan_layers(c: ModelConfig, target, **scan_args):
+    """`nn.scan` of `target` over the L layers, its params stacked on a leading axis named
+    "layers" (the layout `stack_layers` makes and `sharding.RULES` names)."""
+    return nn.scan(
+        target,
         variable_axes={"params": 0},
         split_rngs={"params": True},
-        in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast),
         length=c.num_layers,
         metadata_params={nn.PARTITION_NAME: "layers"},
+        **scan_args,
     )
-    return stack(c, name="layers")(x_BxTxD, rope, attn_BxTxS, caches, cache_index_B)
 
 
 def _paged_stack(c: ModelConfig, layer_cls, x_BxTxD, rope, pool_AxZxUxE, refs: PageRefs):
@@ -512,14 +518,7 @@ def _paged_stack(c: ModelConfig, layer_cls, x_BxTxD, rope, pool_AxZxUxE, refs: P
         x_BxTxD, pool_AxZxUxE = carry
         return layer(x_BxTxD, rope, None, pool_AxZxUxE, refs._replace(layer=i)), None
 
-    stack = nn.scan(
-        body,
-        variable_axes={"params": 0},
-        split_rngs={"params": True},
-        length=c.num_layers,
-        metadata_params={nn.PARTITION_NAME: "layers"},
-    )
-    (x_BxTxD, pool_AxZxUxE), _ = stack(
+    (x_BxTxD, pool_AxZxUxE), _ = _scan_layers(c, body)(
         layer_cls(c, name="layers"), (x_BxTxD, pool_AxZxUxE), jnp.arange(c.num_layers)
     )
     return x_BxTxD, pool_AxZxUxE
