@@ -15,12 +15,6 @@ from dapo_jax.aot_report import GIB
 from dapo_jax.chips import Chip
 
 
-def _params(m, mesh, dtype):
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dtype), sharding.abstract_params(m))
-    shardings = sharding.param_shardings(m, mesh)
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-
-
 def _decode_step_bytes(cfg: model.ModelConfig, mesh, rows: int, slots: int, dtype) -> float:
     """HBM bytes one chip reads and writes in one decode step of `rows` rows over caches of
     `slots` slots, the weights in `dtype`, laid out by `RULES` on `mesh`: cost analysis of the
@@ -34,10 +28,8 @@ def _decode_step_bytes(cfg: model.ModelConfig, mesh, rows: int, slots: int, dtyp
             sampler.cache_logical_axes(cfg),
             is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x),
         )
-        caches = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            jax.eval_shape(lambda m=m: model.init_cache(m.config, rows, slots)),
-            cache_sh,
+        caches = sharding.with_shardings(
+            jax.eval_shape(lambda m=m: model.init_cache(m.config, rows, slots)), cache_sh
         )
         fn = jax.jit(
             lambda p, t, pos, a, kv, m=m: sampler.decode_step(
@@ -46,7 +38,7 @@ def _decode_step_bytes(cfg: model.ModelConfig, mesh, rows: int, slots: int, dtyp
             in_shardings=(sharding.param_shardings(m, mesh), rep, rep, rep, cache_sh),
         )
         args = (
-            _params(m, mesh, dtype),
+            sharding.abstract_sharded_params(m, mesh, dtype),
             jax.ShapeDtypeStruct((rows,), jnp.int32),
             jax.ShapeDtypeStruct((rows,), jnp.int32),
             jax.ShapeDtypeStruct((rows, slots), bool),

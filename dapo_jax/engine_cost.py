@@ -131,7 +131,13 @@ def step_program(p: programs.Programs, c, layers: int) -> programs.Lowerable:
         return jax.tree.map(lambda x: x[None], st)
 
     fn = jax.jit(sharding.loop_per_data_shard(per_shard, mesh), donate_argnums=(1,))
-    args = (_params(m, mesh), state, jax.tree.map(stacked, prompts), stacked(u_BxN), _scalar(mesh))
+    args = (
+        sharding.abstract_sharded_params(m, mesh),
+        state,
+        jax.tree.map(stacked, prompts),
+        stacked(u_BxN),
+        _scalar(mesh),
+    )
     return programs.Lowerable(_InMesh(fn, mesh), args, ())
 
 
@@ -148,15 +154,9 @@ def prefill_program(p: programs.Programs, c) -> programs.Lowerable:
     prompt = lambda dtype: jax.ShapeDtypeStruct((sh.prompts * sh.shards, s.prompt_len), dtype, sharding=rows)
     uids = jax.ShapeDtypeStruct((sh.prompts * sh.shards,), jnp.int32, sharding=rows)
     return programs.Lowerable(
-        _InMesh(fn, mesh), (_params(m, mesh), prompt(jnp.int32), prompt(bool), uids, _scalar(mesh)), ()
-    )
-
-
-def _params(m: model.Transformer, mesh):
-    return jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        sharding.abstract_params(m),
-        sharding.param_shardings(m, mesh),
+        _InMesh(fn, mesh),
+        (sharding.abstract_sharded_params(m, mesh), prompt(jnp.int32), prompt(bool), uids, _scalar(mesh)),
+        (),
     )
 
 

@@ -205,6 +205,20 @@ def param_shardings(model: nn.Module, mesh: Mesh):
     return logical_to_sharding(logical_param_specs(model), mesh)
 
 
+def with_shardings(tree, shardings):
+    """ShapeDtypeStructs of the shapes and dtypes of `tree`'s leaves, each with its sharding."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+
+
+def abstract_sharded_params(model: nn.Module, mesh: Mesh, dtype=None):
+    """The parameters as ShapeDtypeStructs laid out on `mesh` (`param_shardings`), all in `dtype`
+    when given: a program's parameter inputs for lowering ahead of time, nothing allocated."""
+    abstract = abstract_params(model)
+    if dtype is not None:
+        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, dtype), abstract)
+    return with_shardings(abstract, param_shardings(model, mesh))
+
+
 def init_params(model: nn.Module, mesh: Mesh, rng: jax.Array):
     """Random parameters born sharded: shapes first, then one jit with `out_shardings`."""
     shardings = param_shardings(model, mesh)

@@ -96,6 +96,26 @@ def test_init_params_is_born_sharded():
     assert n == cfg.num_params()
 
 
+def test_abstract_sharded_params_are_the_shapes_laid_out_as_init_params():
+    cfg = model.ModelConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=2,
+        head_dim=8,
+    )
+    mesh = sharding.make_mesh({"fsdp": 4, "tensor": 2})
+    abstract = sharding.abstract_sharded_params(model.Transformer(cfg), mesh, "bfloat16")
+    up = abstract["layers_0"]["mlp"]["up_proj"]["kernel"]
+    assert (up.shape, up.dtype, up.sharding.spec) == ((16, 32), np.dtype("bfloat16"), P("fsdp", "tensor"))
+    assert sum(x.size for x in jax.tree.leaves(abstract)) == cfg.num_params()
+    assert {x.dtype for x in jax.tree.leaves(abstract)} == {np.dtype("bfloat16")}
+    as_stored = sharding.abstract_sharded_params(model.Transformer(cfg), mesh)  # param_dtype float32
+    assert {x.dtype for x in jax.tree.leaves(as_stored)} == {np.dtype("float32")}
+
+
 class _FakeChip(NamedTuple):
     """A TPU chip as `mesh_utils` reads one: its torus coordinates and core, nothing to run on."""
 
