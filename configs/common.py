@@ -46,7 +46,7 @@ def model(**values) -> ml_collections.ConfigDict:
         attention_chunk=Spec(int, COUNT),  # queries per block of the trainer's attention (0: all)
         scan_layers=Spec(bool),  # one compiled layer body (nn.scan)
         logits_chunk=Spec(int, COUNT),  # tokens per block of LM head + log-softmax (0: one block)
-        transposed_keys=Spec(bool),  # cached keys [B, K, H, S]: XLA:CPU's faster decode
+        transposed_keys=Spec(bool),  # cached keys [B, K, E, S]: XLA:CPU's faster decode
     )
 
 

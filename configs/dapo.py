@@ -36,7 +36,7 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
         attention_chunk=1024,  # a layer's scores at 20k tokens: 1024 x 20k, not 20k^2
         scan_layers=True,  # one compiled layer body: 64 layers compile as one
         logits_chunk=2048,
-        transposed_keys=False,  # cached keys [B, K, H, S]: XLA:CPU's faster decode
+        transposed_keys=False,  # cached keys [B, K, E, S]: XLA:CPU's faster decode
     )  # LM head + log-softmax over 2048 x 152k, not 22k x 152k
     c.reference = common.reference(path="")  # β = 0: no reference model is loaded or run
     c.mesh = common.mesh(data=1, fsdp=-1, tensor=8)  # v5p-128: 64 chips = fsdp 8 x tensor 8 (aot.py)
@@ -177,7 +177,7 @@ def tiny() -> ml_collections.ConfigDict:
         attention_chunk=64,
         scan_layers=False,
         logits_chunk=0,
-        transposed_keys=True,  # cached keys [B, K, H, S]: XLA:CPU's faster decode
+        transposed_keys=True,  # cached keys [B, K, E, S]: XLA:CPU's faster decode
     )
     c.reference = common.reference(path="")  # β = 0: no reference model is loaded or run
     c.mesh = common.mesh(data=-1, fsdp=1, tensor=1)

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dapo_jax import model, programs, sampler, sharding
+from dapo_jax import decoding, fixed_batch, model, programs, sharding
 from dapo_jax.aot_report import GIB
 from dapo_jax.chips import Chip
 
@@ -25,14 +25,14 @@ def _decode_step_bytes(cfg: model.ModelConfig, mesh, rows: int, slots: int, dtyp
         rep = sharding.replicated(mesh)
         cache_sh = jax.tree.map(
             lambda axes: sharding.logical_to_sharding(jax.sharding.PartitionSpec("layers", *axes), mesh),
-            sampler.cache_logical_axes(cfg),
+            fixed_batch.cache_logical_axes(cfg),
             is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(a, (str, type(None))) for a in x),
         )
         caches = sharding.with_shardings(
             jax.eval_shape(lambda m=m: model.init_cache(m.config, rows, slots)), cache_sh
         )
         fn = jax.jit(
-            lambda p, t, pos, a, kv, m=m: sampler.decode_step(
+            lambda p, t, pos, a, kv, m=m: decoding.decode_step(
                 m, p, t, pos, a, kv, jnp.full((rows,), slots - 1)
             ),
             in_shardings=(sharding.param_shardings(m, mesh), rep, rep, rep, cache_sh),

@@ -7,7 +7,7 @@ A generation batch of B = P x G rows (row p*G + g: response g to prompt p) is de
 in place. Row b's keys are its prompt's q_p real tokens then its own, in order (no padding
 held): key s in slot s % Z of page `table[s // Z]`.
 
-- Prefill: once per prompt (its first q_p - 1 tokens), into the prompt's J = ceil((L - 1) / Z)
+- Prefill: once per prompt (its first q_p - 1 tokens), into the prompt's J = ceil((Q - 1) / Z)
   pages, held for the whole call; in chunks of about S / G prompts, so that a call may hold a
   whole generation batch. The prompt's full pages are shared by its G rows (their tables
   name them); its last, partial page is copied into a page of the row's own when the row starts.
@@ -34,7 +34,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dapo_jax import sampler, sizes
+from dapo_jax import decoding, sizes
 from dapo_jax.model import KVCache, ModelConfig, Transformer
 from dapo_jax.paged_attention import PageRefs, interleave_kv
 
@@ -46,13 +46,13 @@ class Geometry(NamedTuple):
     slots: int  # S
     page_size: int  # Z
     prompt_pages: int  # J, pages per prompt (P x J held from the start)
-    table_pages: int  # I, pages a row may hold: ceil((L - 1 + N) / Z)
+    table_pages: int  # I, pages a row may hold: ceil((Q - 1 + N) / Z)
     pool_pages: int  # M
     prefill_prompts: int  # prompts a prefill chunk: the largest divisor of P up to ceil(S / G)
 
 
-def geometry(config: sampler.SamplingConfig, prompts: int, group: int, width: int) -> Geometry:
-    """The engine's sizes for P = `prompts` of bucket width L = `width`, G = `group`; M is
+def geometry(config: decoding.SamplingConfig, prompts: int, group: int, width: int) -> Geometry:
+    """The engine's sizes for P = `prompts` of bucket width Q = `width`, G = `group`; M is
     `config.kv_pages`, or (0) enough for every slot at N tokens and a spare each; at least the prompts' pages,
     one row's at N tokens and one spare."""
     z, b = config.page_size, prompts * group
@@ -81,7 +81,7 @@ def _heads_split(pool_AxZxUxE):
 
 
 def _as_pages(cache: KVCache, pad_P, geo: Geometry, transposed_keys: bool):
-    """`kv_AxZxUxE`: one layer's left-padded prefill cache (L - 1 slots) as the P prompts' J pages
+    """`kv_AxZxUxE`: one layer's left-padded prefill cache (Q - 1 slots) as the P prompts' J pages
     each (A = P x J), prompt p's real tokens first (shifted left by its padding `pad_P`)."""
     k_PxKxSxE = cache.k.swapaxes(2, 3) if transposed_keys else cache.k
     p, k, s, e = k_PxKxSxE.shape
@@ -92,7 +92,7 @@ def _as_pages(cache: KVCache, pad_P, geo: Geometry, transposed_keys: bool):
     return kv_PxSxUxE.reshape(p * geo.prompt_pages, geo.page_size, 2 * k, e)
 
 
-def prefill_pages(model: Transformer, params, prompt_PxL, mask_PxL, geo: Geometry):
+def prefill_pages(model: Transformer, params, prompt_PxQ, mask_PxQ, geo: Geometry):
     """The pool `pool_AxZxUxE` whose pages 0 .. P x J - 1 hold the prompts' prefill in every
     layer (page p*J + j: prompt p's j-th), the rest zeros. The prompts are prefilled in chunks of
     `geo.prefill_prompts`, about the prompts whose rows fill the slots: the prefill's
@@ -101,21 +101,21 @@ def prefill_pages(model: Transformer, params, prompt_PxL, mask_PxL, geo: Geometr
     pool_AxZxUxE = empty_pool(c, geo.pool_pages, geo.page_size)
     if not geo.prompt_pages:
         return pool_AxZxUxE
-    (p, l), chunk = prompt_PxL.shape, geo.prefill_prompts
+    (p, q), chunk = prompt_PxQ.shape, geo.prefill_prompts
     chunks = lambda x: x.reshape(p // chunk, chunk, *x.shape[1:])
-    prompt_NxCxL, mask_NxCxL = chunks(prompt_PxL), chunks(mask_PxL)
+    prompt_JxCxQ, mask_JxCxQ = chunks(prompt_PxQ), chunks(mask_PxQ)
     layers = c.num_layers
 
-    def fill(n, pool_AxZxUxE):
-        prompt_CxL, mask_CxL = prompt_NxCxL[n], mask_NxCxL[n]
-        caches = sampler.prefill(model, params, prompt_CxL[:, :-1], mask_CxL[:, :-1], l - 1)
-        pad_C = l - mask_CxL.sum(-1, dtype=jnp.int32)
+    def fill(j, pool_AxZxUxE):
+        prompt_CxQ, mask_CxQ = prompt_JxCxQ[j], mask_JxCxQ[j]
+        caches = decoding.prefill(model, params, prompt_CxQ[:, :-1], mask_CxQ[:, :-1], q - 1)
+        pad_C = q - mask_CxQ.sum(-1, dtype=jnp.int32)
         as_pages = lambda cache: _as_pages(cache, pad_C, geo, c.transposed_keys)
         stack = jax.vmap(as_pages) if c.scan_layers else lambda xs: jnp.stack([as_pages(x) for x in xs])
         kv_LxAxZxUxE = stack(caches)
         pool_LxMxZxUxE = pool_AxZxUxE.reshape(layers, geo.pool_pages, *pool_AxZxUxE.shape[1:])
         pool_LxMxZxUxE = jax.lax.dynamic_update_slice_in_dim(
-            pool_LxMxZxUxE, kv_LxAxZxUxE.astype(c.compute_dtype), n * chunk * geo.prompt_pages, axis=1
+            pool_LxMxZxUxE, kv_LxAxZxUxE.astype(c.compute_dtype), j * chunk * geo.prompt_pages, axis=1
         )
         return _heads_split(pool_LxMxZxUxE.reshape(pool_AxZxUxE.shape))
 
@@ -247,7 +247,7 @@ def _decode(model, params, config, geo: Geometry, prompts: Prompts, group: int, 
     # whole vocabularies: sampling's reversals of a vocabulary split over tensor are collective
     # permutes, which XLA:CPU's rendezvous waits on from every device (a loop per shard would hang)
     logits_SxV = nn.with_logical_constraint(logits_Sx1xV[:, 0], ("batch", None))
-    token_S, logp_S = sampler.sample_token(logits_SxV, u_BxN[row_S, step_S], config)
+    token_S, logp_S = decoding.sample_token(logits_SxV, u_BxN[row_S, step_S], config)
     ended_S = jnp.isin(token_S, jnp.asarray(config.eos_ids, jnp.int32).reshape(-1))
     done_S = run_S & (ended_S | (st.step_S + 1 == n_new))
     out_S, fin_S = jnp.where(run_S, row_S, b), jnp.where(done_S, row_S, b)  # B: dropped
@@ -314,20 +314,20 @@ def initial_state(pool_AxZxUxE, geo: Geometry, n_new: int, pad_id: int) -> Engin
     )
 
 
-def paged_rollout(model, config: sampler.SamplingConfig, group: int, params, prompt_PxL, mask_PxL, u_BxN):
+def paged_rollout(model, config: decoding.SamplingConfig, group: int, params, prompt_PxQ, mask_PxQ, u_BxN):
     """`(outputs, stats)`: the P x G rows decoded by the engine (outputs as `sampler.rollout`'s);
     stats: `steps` (decode steps), `waits` (slot-steps a row waited for a page) and
     `preemptions` (rows that gave their pages back)."""
-    p, l = prompt_PxL.shape
-    geo = geometry(config, p, group, l)
-    keys_P = mask_PxL.sum(-1, dtype=jnp.int32) - 1
+    p, q = prompt_PxQ.shape
+    geo = geometry(config, p, group, q)
+    keys_P = mask_PxQ.sum(-1, dtype=jnp.int32) - 1
     prompts = Prompts(
         keys_P=keys_P,
-        last_P=prompt_PxL[:, -1],
+        last_P=prompt_PxQ[:, -1],
         shared_P=keys_P // geo.page_size,
         partial_P=keys_P % geo.page_size != 0,
     )
-    pool = prefill_pages(model, params, prompt_PxL, mask_PxL, geo)
+    pool = prefill_pages(model, params, prompt_PxQ, mask_PxQ, geo)
     st = initial_state(pool, geo, config.max_new_tokens, config.pad_id)
     held = p * geo.prompt_pages  # the prompts' pages; the rest start free
     st = st._replace(
@@ -336,5 +336,5 @@ def paged_rollout(model, config: sampler.SamplingConfig, group: int, params, pro
     st = _start_rows(st, prompts, group, geo, geo.slots)
     body = lambda st: step(model, params, config, geo, prompts, group, u_BxN, st)
     st = jax.lax.while_loop(lambda st: jnp.any(st.row_S < geo.rows) | st.waiting_B.any(), body, st)
-    outputs = sampler._outputs(st.tokens_BxN, st.logp_BxN, st.ended_B, st.length_B)
+    outputs = decoding.outputs(st.tokens_BxN, st.logp_BxN, st.ended_B, st.length_B)
     return outputs, {"steps": st.steps, "waits": st.waits, "preemptions": st.preemptions}

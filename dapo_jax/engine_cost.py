@@ -82,7 +82,7 @@ def engine_count(
 class Shard(NamedTuple):
     """A data shard's engine: its sampling config (its share of the slots) and sizes."""
 
-    config: object  # sampler.SamplingConfig
+    config: object  # decoding.SamplingConfig
     geometry: engine.Geometry
     prompts: int  # P / d
     shards: int  # d: data x fsdp shards of the rollout mesh

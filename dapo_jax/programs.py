@@ -27,7 +27,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from dapo_jax import logprobs, model, sharding, sizes, train_step
-from dapo_jax.sampler import Sampler, SamplingConfig
+from dapo_jax.decoding import SamplingConfig
+from dapo_jax.sampler import Sampler
 
 GIB = 2**30
 

@@ -62,7 +62,7 @@ def use_cpu_devices(n: int) -> None:
 
 
 def loop_per_data_shard(loop, mesh: Mesh):
-    """`loop(params, prompt_PxL, mask_PxL, uids_P, rng)` run by each data x fsdp shard of `mesh` on
+    """`loop(params, prompt_PxQ, mask_PxQ, uids_P, rng)` run by each data x fsdp shard of `mesh` on
     its P / d prompts, all their rows (`jax.shard_map`, manual over data and fsdp only): tensor
     parallel inside a shard (the weights split over `tensor` as they lie, the batch axis not
     split further), no shard waiting for another's longest row. P must split evenly."""

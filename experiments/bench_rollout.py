@@ -34,7 +34,7 @@ import time
 import jax
 import numpy as np
 
-from dapo_jax import engine, hf_model_config, model, sampler, sharding
+from dapo_jax import decoding, engine, hf_model_config, model, sampler, sharding
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peers"))
 import workload  # noqa: E402
@@ -51,9 +51,9 @@ def random_model(config, head_scale: float, devices: int, seed: int = 0):
 def prompts(p: int, width: int, vocab: int, seed: int = 0):
     rng = np.random.default_rng(seed)
     lengths_P = rng.integers(width // 2, width + 1, size=p)
-    mask_PxL = np.arange(width)[None] >= width - lengths_P[:, None]
-    tokens_PxL = rng.integers(1 + vocab // 8, vocab, size=(p, width))
-    return np.where(mask_PxL, tokens_PxL, 0).astype(np.int32), mask_PxL
+    mask_PxQ = np.arange(width)[None] >= width - lengths_P[:, None]
+    tokens_PxQ = rng.integers(1 + vocab // 8, vocab, size=(p, width))
+    return np.where(mask_PxQ, tokens_PxQ, 0).astype(np.int32), mask_PxQ
 
 
 def timed(s: sampler.Sampler, params, tokens, mask, group: int):
@@ -88,7 +88,7 @@ def engine_roofline(name, m, params, cfg, tokens, mask, group, lengths_B, second
     """The engine's decode steps (run once more for its stats) and its mean step against the
     bytes a step must read: weights once, plus the keys and values the running rows hold."""
     uids = np.arange(tokens.shape[0], dtype=np.int32)
-    u_BxN = sampler._row_uniforms(jax.random.key(1), uids, group, cfg.max_new_tokens)
+    u_BxN = decoding.row_uniforms(jax.random.key(1), uids, group, cfg.max_new_tokens)
     run = jax.jit(lambda p, t, k, u: engine.paged_rollout(m, cfg, group, p, t, k, u)[1])
     steps = int(run(params, tokens, mask, u_BxN)["steps"])
     c = m.config
@@ -153,7 +153,7 @@ def main():
     vocab = args.vocab or workload.HF_CONFIG["vocab_size"]
     config = hf_model_config.config_from_hf({**workload.HF_CONFIG, "vocab_size": vocab}, dtype="float32")
     tokens, mask = prompts(args.prompts, args.prompt, vocab)
-    cfg = sampler.SamplingConfig(
+    cfg = decoding.SamplingConfig(
         max_new_tokens=args.new,
         eos_ids=tuple(range(1, args.end_ids + 1)),
         pad_id=0,

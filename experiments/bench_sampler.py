@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import transformers
 
-from dapo_jax import hf_io, hf_model_config, model, sampler, sharding
+from dapo_jax import decoding, fixed_batch, hf_io, hf_model_config, model, sampler, sharding
 
 QWEN2_TINY = dict(
     vocab_size=4096,
@@ -39,13 +39,13 @@ QWEN2_TINY = dict(
 def prompts(batch, width, vocab, seed=0):
     rng = np.random.default_rng(seed)
     lengths_P = rng.integers(width // 2, width + 1, size=batch)
-    mask_PxL = np.arange(width)[None] >= width - lengths_P[:, None]
-    return np.where(mask_PxL, rng.integers(1, vocab, size=(batch, width)), 0).astype(np.int32), mask_PxL
+    mask_PxQ = np.arange(width)[None] >= width - lengths_P[:, None]
+    return np.where(mask_PxQ, rng.integers(1, vocab, size=(batch, width)), 0).astype(np.int32), mask_PxQ
 
 
 def ours(m, params, mesh, tokens, mask, new, group=1):
     """A function that runs our sampler once (compiled here) and returns its seconds."""
-    cfg = sampler.SamplingConfig(max_new_tokens=new, eos_ids=(), pad_id=0, prompt_buckets=(tokens.shape[1],))
+    cfg = decoding.SamplingConfig(max_new_tokens=new, eos_ids=(), pad_id=0, prompt_buckets=(tokens.shape[1],))
     s = sampler.Sampler(m, cfg, mesh)
     out = jax.block_until_ready(s.generate(params, tokens, mask, group, jax.random.key(0)))
     assert int(out.length_B.min()) == new
@@ -161,7 +161,7 @@ def main():
 
     # What bounds a decode step of B rows over a mean of S cache slots.
     d, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
-    phases = sampler.decode_phases(sampler.SamplingConfig(n, (), 0, (l,)), l)
+    phases = fixed_batch.decode_phases(decoding.SamplingConfig(n, (), 0, (l,)), l)
     s = np.mean([next(slots for end, slots in phases if t < end) for t in range(n)])  # slots read
     dense = cfg.num_params() - cfg.vocab_size * d  # the embedding table is gathered, not multiplied
     flops_token = 2 * dense + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * s  # QK^T, PV

@@ -88,7 +88,7 @@ def test_bfloat16_logits_are_within_tolerance_of_float32(params):
     backend for the teacher-forced pass, the prefill and a decode step, and stays within the stated
     tolerance of f32: max |logits_bf16 - logits_f32| <= 2.5% and the mean <= 0.5% of max |logits|
     (bf16 keeps 8 bits of mantissa: ~0.4% per rounding). Weights are scaled up to logits of order 1."""
-    from dapo_jax import sampler
+    from dapo_jax import decoding
 
     p = jax.tree.map(lambda x: x * 5 if x.ndim == 2 else x, params)
     rng = np.random.default_rng(0)
@@ -101,9 +101,9 @@ def test_bfloat16_logits_are_within_tolerance_of_float32(params):
     def logits(dtype):
         m = model.Transformer(dataclasses.replace(CONFIG, dtype=dtype))
         teacher = jax.jit(lambda p: model.forward(m, p, tokens, mask))(p)
-        caches = jax.jit(lambda p: sampler.prefill(m, p, tokens, mask, 32))(p)
+        caches = jax.jit(lambda p: decoding.prefill(m, p, tokens, mask, 32))(p)
         step = jax.jit(
-            lambda p, c: sampler.decode_step(m, p, tokens[:, -1], positions_B, attn_BxS, c, slot_B)[0]
+            lambda p, c: decoding.decode_step(m, p, tokens[:, -1], positions_B, attn_BxS, c, slot_B)[0]
         )
         return np.asarray(teacher)[mask], np.asarray(step(p, caches))
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from test_sampler import _config, _load, _prompts
 
-from dapo_jax import engine, sampler, sharding
+from dapo_jax import decoding, engine, sampler, sharding
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def test_a_pool_a_quarter_of_rows_times_length_completes_the_batch(qwen2_dir, si
     uids, key = np.arange(4, dtype=np.int32), jax.random.key(2)
     cfg = _config(max_new_tokens=24)  # no end id: every row holds 8 pages at its end
     fixed = _generate(m, params, cfg, single, prompt, mask, 4, key, uids)
-    u_BxN = sampler._row_uniforms(key, uids, 4, 24)
+    u_BxN = decoding.row_uniforms(key, uids, 4, 24)
     paged = dataclasses.replace(cfg, paged=True, decode_slots=8, page_size=4, kv_pages=pages)
     geo = engine.geometry(paged, 4, 4, 8)
     assert geo.rows * geo.table_pages >= 4 * geo.pool_pages

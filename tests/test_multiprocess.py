@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from dapo_jax import hf_io, hf_model_config, metrics, model, sampler, sharding
+from dapo_jax import decoding, hf_io, hf_model_config, metrics, model, sampler, sharding
 
 pytestmark = pytest.mark.slow  # processes that start, compile and talk over gloo
 
@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _config():
-    return sampler.SamplingConfig(
+    return decoding.SamplingConfig(
         max_new_tokens=12,
         eos_ids=tuple(range(2, 14)),
         pad_id=0,
@@ -43,7 +43,7 @@ def _prompts():
     return np.where(mask, tokens, 0), mask
 
 
-def _rollouts(model_dir: str, mesh) -> sampler.Samples:
+def _rollouts(model_dir: str, mesh) -> decoding.Samples:
     m = model.Transformer(
         hf_model_config.config_from_hf(hf_model_config.read_hf_config(model_dir), dtype="float32")
     )

@@ -10,7 +10,7 @@ import torch
 import transformers
 from jax.sharding import PartitionSpec as P
 
-from dapo_jax import hf_io, hf_model_config, model, sampler, sharding
+from dapo_jax import decoding, hf_io, hf_model_config, model, sampler, sharding
 
 VOCAB = 96
 
@@ -32,7 +32,7 @@ def qwen2(qwen2_dir, single):
 
 
 def _prompts(lengths, width, seed=0):
-    """Random left-padded prompts `tokens_PxL, mask_PxL` (pad id 0) of the given real lengths."""
+    """Random left-padded prompts `tokens_PxQ, mask_PxQ` (pad id 0) of the given real lengths."""
     rng = np.random.default_rng(seed)
     tokens = rng.integers(1, VOCAB, size=(len(lengths), width)).astype(np.int32)
     mask = np.arange(width)[None] >= width - np.asarray(lengths)[:, None]
@@ -41,7 +41,7 @@ def _prompts(lengths, width, seed=0):
 
 
 def _config(**kw):
-    return sampler.SamplingConfig(
+    return decoding.SamplingConfig(
         **{"max_new_tokens": 10, "eos_ids": (), "pad_id": 0, "prompt_buckets": (8, 16), **kw}
     )
 
@@ -79,8 +79,8 @@ def test_cached_decode_equals_teacher_forced_forward(fixture, transposed_keys, r
     ref_BxTxV = np.asarray(model.forward(m, params, full_tokens, full_mask))
 
     s = 32  # a cache longer than needed: the unused slots must stay unread
-    caches = jax.jit(lambda p, t, k: sampler.prefill(m, p, t, k, s))(params, prompt[:, :-1], mask[:, :-1])
-    step = jax.jit(lambda p, *args: sampler.decode_step(m, p, *args))
+    caches = jax.jit(lambda p, t, k: decoding.prefill(m, p, t, k, s))(params, prompt[:, :-1], mask[:, :-1])
+    step = jax.jit(lambda p, *args: decoding.decode_step(m, p, *args))
     readable_BxS = np.concatenate([mask, np.ones((3, s - 8), bool)], 1)
     feed_BxT = full_tokens[:, 7:]
     for t in range(feed_BxT.shape[1]):
@@ -222,7 +222,7 @@ def test_inverse_cdf_draw_equals_searchsorted(vocab):
     u = 1.0 - rng.random(256)
     u[1] = 1.0
     drawn = np.asarray(
-        sampler.draw_inverse_cdf(jax.numpy.asarray(probs, "float32"), jax.numpy.asarray(u, "float32"))
+        decoding.draw_inverse_cdf(jax.numpy.asarray(probs, "float32"), jax.numpy.asarray(u, "float32"))
     )
     cdf = np.cumsum(probs, -1)
     expected = [np.searchsorted(cdf[i], u[i] * cdf[i, -1]) for i in range(256)]
@@ -309,7 +309,7 @@ def test_decode_slots_are_checked(qwen2):
 
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_transposed_keys_leave_rollouts_unchanged(qwen2_dir, single, scan_layers):
-    """Keys cached as [B, K, H, S]: the plain layout's rollouts, through grown decode phases
+    """Keys cached as [B, K, E, S]: the plain layout's rollouts, through grown decode phases
     (fixed batch) and prefills copied into pages (the engine), per-layer or stacked."""
     prompt, mask = _prompts([8, 3, 6, 5], 8, seed=9)
     cfgs = [

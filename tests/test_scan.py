@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
-from dapo_jax import hf_io, hf_model_config, hf_save, logprobs, model, sampler, sharding, train_step
+from dapo_jax import decoding, hf_io, hf_model_config, hf_save, logprobs, model, sampler, sharding, train_step
 
 
 def _models(model_dir):
@@ -80,7 +80,7 @@ def test_scanned_sampler_equals_unrolled(qwen2_dir, single):
     unrolled, scanned = _models(qwen2_dir)
     params = hf_io.load_params(qwen2_dir, unrolled, single)
     stacked = model.stack_layers(params, unrolled.config.num_layers)
-    cfg = sampler.SamplingConfig(
+    cfg = decoding.SamplingConfig(
         max_new_tokens=12, eos_ids=(), pad_id=0, prompt_buckets=(8,), decode_chunks=2
     )
     tokens, mask = _batch(unrolled.config.vocab_size, t=8)
@@ -90,7 +90,7 @@ def test_scanned_sampler_equals_unrolled(qwen2_dir, single):
     ]
     np.testing.assert_array_equal(outs[0].tokens_BxN, outs[1].tokens_BxN)
     _close(outs[0].logp_BxN, outs[1].logp_BxN)
-    caches = sampler.prefill(scanned, stacked, tokens, mask, 32)
+    caches = decoding.prefill(scanned, stacked, tokens, mask, 32)
     assert isinstance(caches, model.KVCache) and caches.v.shape[0] == unrolled.config.num_layers
 
 
