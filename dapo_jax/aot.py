@@ -45,7 +45,7 @@ from dapo_jax.aot_engine import engine_rows
 from dapo_jax.aot_report import check_fit, compile_timed, model_flops, program_flops, report_row
 from dapo_jax.chips import CHIPS, topology_devices
 from dapo_jax.dapo_lengths import dapo_lengths
-from dapo_jax.errors import ConfigError
+from dapo_jax.errors import ConfigError, one_line_errors
 from dapo_jax.known_models import model_config
 
 
@@ -143,11 +143,8 @@ def _define_flags():
 def main(argv):
     del argv
     f = flags.FLAGS
-    try:
+    with one_line_errors():
         rows, complaint = analyse(f.config, f.topology, f.hbm_gib, f.programs)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
     print(json.dumps(rows, default=float))
     if complaint:
         print(f"does not fit: {complaint}", file=sys.stderr)

@@ -8,7 +8,6 @@ or a disagreement between processes, 75 preempted (`preemption.PREEMPTED`).
 
 from __future__ import annotations
 
-import contextlib
 import sys
 
 import jax
@@ -16,8 +15,8 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from dapo_jax import config_schema, evaluation, hosts, metrics, overrides, paths, train
-from dapo_jax.errors import CheckpointError, ConfigError
+from dapo_jax import config_schema, evaluation, metrics, overrides, paths, train
+from dapo_jax.errors import ConfigError, one_line_errors
 from dapo_jax.run import load_config_file
 
 CONFIG = config_flags.DEFINE_config_file("config", None, "configs/FILE.py:VARIANT", lock_config=True)
@@ -113,20 +112,6 @@ def start_distributed() -> None:
             _PROCESS_ID.value,
             heartbeat_timeout_seconds=_HEARTBEAT.value,
         )
-
-
-@contextlib.contextmanager
-def one_line_errors():
-    """A bad config, checkpoint or missing file ends the command with its message alone, status 2;
-    processes that disagree (every one raises at the same check) with status 1."""
-    try:
-        yield
-    except (ConfigError, CheckpointError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except hosts.HostDisagreement as e:
-        print(f"error: process {jax.process_index()}: {e}", file=sys.stderr)
-        sys.exit(1)
 
 
 def start(argv, *required: str) -> None:

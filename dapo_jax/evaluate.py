@@ -28,7 +28,7 @@ from absl import flags
 
 from dapo_jax import cli, evaluation, export, hf_io, hub, paths, train
 from dapo_jax.config_checks import check_config
-from dapo_jax.errors import ConfigError
+from dapo_jax.errors import ConfigError, one_line_errors
 from dapo_jax.run import build
 
 
@@ -107,7 +107,7 @@ def _define_flags():
 def main(argv):
     cli.start(argv, "config")
     f = flags.FLAGS
-    with cli.one_line_errors():
+    with one_line_errors():
         c = apply_overrides(
             f.config,
             data=f.data,

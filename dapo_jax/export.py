@@ -24,7 +24,7 @@ from absl import flags
 
 from dapo_jax import checkpoint, cli, hub, paths, sharding, train
 from dapo_jax.config_checks import check_config
-from dapo_jax.errors import ConfigError
+from dapo_jax.errors import ConfigError, one_line_errors
 from dapo_jax.run import Run, build
 from dapo_jax.train_step import TrainState
 
@@ -104,7 +104,7 @@ def _define_flags():
 def main(argv):
     cli.start(argv, "config", "workdir")
     f = flags.FLAGS
-    with cli.one_line_errors():
+    with one_line_errors():
         out, step = export(f.config, f.workdir, f.step, f.out, f.dtype, f.push_to_hub, private=not f.public)
     if jax.process_index() != 0:
         return

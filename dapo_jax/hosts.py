@@ -27,10 +27,7 @@ from jax._src import distributed  # the client of jax.distributed.initialize
 from jax.experimental import multihost_utils
 
 from dapo_jax import preemption
-
-
-class HostDisagreement(RuntimeError):
-    """Processes of one run hold different values of what must be equal on all of them."""
+from dapo_jax.errors import HostDisagreement
 
 
 def rows_of(num_rows: int, process: int, num_processes: int) -> slice:

@@ -16,14 +16,13 @@ its 30 problems 32 times. The counts of both drops are printed.
 from __future__ import annotations
 
 import os
-import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 from absl import app, flags
 
 from dapo_jax import data, hub
-from dapo_jax.errors import ConfigError
+from dapo_jax.errors import ConfigError, one_line_errors
 
 SOURCES = {
     "dapo-math-17k.parquet": "BytedTsinghua-SIA/DAPO-Math-17k",
@@ -64,11 +63,8 @@ def main(argv):
         raise app.UsageError("--out_dir is required")
     for name, source in (("dapo-math-17k.parquet", _DAPO_MATH.value), ("aime-2024.parquet", _AIME.value)):
         out = os.path.join(_OUT_DIR.value, name)
-        try:
+        with one_line_errors():
             n = prepare(source, out)
-        except ConfigError as e:
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(2)
         print(
             f"{out}: {n['problems']} problems from {n['rows']} rows of {source} "
             f"({n['duplicates']} duplicates and {n['malformed']} malformed rows dropped)"

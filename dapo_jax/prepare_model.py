@@ -30,7 +30,6 @@ import importlib.metadata
 import json
 import os
 import shutil
-import sys
 import tempfile
 from typing import NamedTuple
 
@@ -39,7 +38,7 @@ import numpy as np
 from absl import app, flags
 
 from dapo_jax import hf_io, hf_model_config
-from dapo_jax.errors import ConfigError, ModelFolderError
+from dapo_jax.errors import ConfigError, ModelFolderError, one_line_errors
 
 # GGUF general.architecture -> the transformers class that `hf_model_config.FAMILIES` loads.
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -227,12 +226,9 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments {argv[1:]}")
     if (_GGUF.value is None) == (_PACKAGE.value is None) or _OUT.value is None:
         raise app.UsageError("give --out and one of --gguf, --package")
-    try:
+    with one_line_errors():
         path = os.path.expanduser(_GGUF.value) if _GGUF.value else package_gguf(_PACKAGE.value)
         c = convert(path, os.path.expanduser(_OUT.value), _DTYPE.value)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
     types = ", ".join(f"{n} {t}" for t, n in sorted(c.gguf_tensor_types.items(), key=lambda x: -x[1]))
     print(
         f"wrote {c.out_dir}: {c.architecture}, {c.num_params / 1e6:.1f}M parameters in {c.dtype} "
