@@ -30,7 +30,7 @@ def engine_rows(c, cfg: model.ModelConfig, devices, chip: Chip, hbm_gib: float) 
     decode_flops = model_flops(cfg, count.tokens * sh.shards, count.pairs * geo.page_size / count.tokens)
     rows, whole = _engine_programs(p, paged, devices, chip, hbm_gib, flops, decode_flops)
     step, pair, kernel_layer = _step_bytes(p, paged, devices, geo.slots)
-    kernel = paged_attention.uses_kernel(p.rollout_mesh)
+    kernel = paged_attention.uses_kernel(cfg.head_dim, p.rollout_mesh)
     compiled_step = _compiled_step(step, pair, kernel, count, cfg.num_layers, geo.slots)
     body = whole.get("engine", math.nan) - whole.get("engine_prefill", math.nan)
     roofline = count.bytes_per_step

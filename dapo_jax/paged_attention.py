@@ -15,7 +15,8 @@ Two attentions over it, the same numbers to float rounding:
   block (as many as the runs need), partial softmaxes merged per row. Its cost follows the sum of
   the rows' lengths (to a run), not the rows times the longest.
 - `kernel_decode_attention`: the Pallas TPU kernel itself (compiles for TPU only).
-`decode_step` runs the kernel where the mesh's devices are TPUs (`uses_kernel`), else the pure path.
+`decode_step` runs the kernel where the mesh's devices are TPUs and the heads a multiple of 128
+wide (`uses_kernel`), else the pure path.
 """
 
 from __future__ import annotations
@@ -175,13 +176,19 @@ def kernel_decode_attention(
     return out.reshape(b, k, r, e)
 
 
-def uses_kernel(mesh=None) -> bool:
+KERNEL_LANES = 128  # the kernel keeps its softmax sums in vregs of 128 lanes, broadcast over E
+
+
+def uses_kernel(head_dim: int, mesh=None) -> bool:
     """Whether a decode step's attention runs the Pallas kernel: when `mesh` (default: the
-    current one) is made of TPU devices, abstract ones included (an AOT compile); elsewhere
-    (CPU, GPU, no mesh) the pure-JAX `paged_decode_attention`."""
+    current one) is made of TPU devices, abstract ones included (an AOT compile), and the head
+    width E is a multiple of the kernel's 128 lanes (its sums, 128 wide, broadcast over E: a
+    narrower head fails inside the kernel); elsewhere (CPU, GPU, no mesh, a small test model on
+    TPU) the pure-JAX `paged_decode_attention`."""
     abstract = jax.sharding.get_abstract_mesh() if mesh is None else mesh.abstract_mesh
     device = getattr(abstract, "abstract_device", None)
-    return not abstract.empty and device is not None and device.platform == "tpu"
+    tpu = not abstract.empty and device is not None and device.platform == "tpu"
+    return tpu and head_dim % KERNEL_LANES == 0
 
 
 def decode_step(q_BxKxRxE, k_BxKxE, v_BxKxE, pool_AxZxUxE, refs: PageRefs, layers: int):
@@ -198,7 +205,7 @@ def decode_step(q_BxKxRxE, k_BxKxE, v_BxKxE, pool_AxZxUxE, refs: PageRefs, layer
     first = refs.layer * m
     page_B = jnp.where(refs.write_page_B < m, first + refs.write_page_B, pool_AxZxUxE.shape[0])
     table_BxI = first + refs.table_BxI
-    kernel = uses_kernel()
+    kernel = uses_kernel(q_BxKxRxE.shape[-1])
 
     def step(q_BxKxRxE, k_BxKxE, v_BxKxE, pool_AxZxUxE, page_B, slot_B, lengths_B, table_BxI):
         pool_AxZxUxE = write_pages(pool_AxZxUxE, k_BxKxE, v_BxKxE, page_B, slot_B)

@@ -63,11 +63,9 @@ class Programs:
             lambda p: train_step.TrainState(jnp.zeros((), jnp.int32), p, self.optimizer.init(p)),
             sharding.abstract_params(self.model),
         )
-        return _with_shardings(abstract, train_step.state_shardings(self.model, self.optimizer, self.mesh))
-
-
-def _with_shardings(tree, shardings):
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+        return sharding.with_shardings(
+            abstract, train_step.state_shardings(self.model, self.optimizer, self.mesh)
+        )
 
 
 def learning_rate_schedule(c: ml_collections.ConfigDict):
@@ -240,17 +238,13 @@ def _rows(mesh: Mesh, shape: tuple[int, ...], dtype):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.batch_sharding(mesh, len(shape)))
 
 
-def _params(m: model.Transformer, mesh: Mesh):
-    return _with_shardings(sharding.abstract_params(m), sharding.param_shardings(m, mesh))
-
-
 def _sampler_inputs(s: Sampler, prompts: int, prompt_len: int, n: int) -> Lowerable:
     """One micro-batch's program as `Sampler.generate` calls it: its prompts filled up to a count
     that splits over the sampler's data x fsdp shards (`sizes.padded_count`)."""
     rep = sharding.replicated(s.mesh)
     prompts = sizes.padded_count(prompts, s.mesh.shape["data"] * s.mesh.shape["fsdp"])
     args = (
-        _params(s.model, s.mesh),
+        sharding.abstract_sharded_params(s.model, s.mesh),
         jax.ShapeDtypeStruct((prompts, prompt_len), jnp.int32, sharding=rep),
         jax.ShapeDtypeStruct((prompts, prompt_len), bool, sharding=rep),
         jax.ShapeDtypeStruct((prompts,), jnp.int32, sharding=rep),
@@ -268,7 +262,7 @@ def abstract_inputs(p: Programs, c: ml_collections.ConfigDict) -> dict[str, Lowe
     on a synthetic one at DAPO's lengths)."""
     s = program_sizes(c)
     state = p.abstract_state()
-    ref = (_params(p.model, p.mesh),) if c.loss.beta > 0 else ()
+    ref = (sharding.abstract_sharded_params(p.model, p.mesh),) if c.loss.beta > 0 else ()
     moments = (state.opt_state,)
     bt, lt = (s.train_rows, s.length), (s.logprob_rows, s.length)
     batch = train_step.Batch(

@@ -105,7 +105,8 @@ def test_decode_step_writes_its_layers_pages_then_reads_them():
         want[m + write_page[b], write_slot[b], 1::2] = v[b]
     np.testing.assert_array_equal(np.asarray(got), want)
     np.testing.assert_allclose(np.asarray(out), _reference(q, want[m:], lengths, table), atol=2e-6)
-    assert not pa.uses_kernel() and not pa.uses_kernel(jax.sharding.Mesh(jax.devices()[:1], ("tensor",)))
+    cpu = jax.sharding.Mesh(jax.devices()[:1], ("tensor",))
+    assert not pa.uses_kernel(128) and not pa.uses_kernel(128, cpu)
 
 
 def _abstract_tpu_devices():
@@ -140,10 +141,10 @@ def test_decode_step_runs_the_kernel_on_tpu_heads_split_over_tensor():
         pool,
         pa.PageRefs(ints(b, i), ints(b), ints(b), ints(b), 1),
     )
-    assert pa.uses_kernel(mesh)
+    assert pa.uses_kernel(e, mesh) and not pa.uses_kernel(64, mesh)  # the kernel's 128 lanes
     step = jax.jit(lambda *a: pa.decode_step(*a, layers=2), donate_argnums=(3,))
     with jax.set_mesh(mesh):
-        assert pa.uses_kernel()
+        assert pa.uses_kernel(e)
         compiled = step.lower(*args).compile()
     assert "ragged_paged_attention_kernel" in compiled.as_text()
     pool_per_chip = 2 * m * z * 2 * k * e * 2 / 4
