@@ -1,6 +1,7 @@
 """Pieces shared by the config files: the sections' schema (each key with its type, its range or
-allowed values, and what None means where it is allowed: `dapo_jax.config_schema`), and plain
-functions returning ConfigDicts, no logic. A variant gives each section's values by keyword."""
+allowed values, and what None means where it is allowed: `dapo_jax.config_schema`; None is off
+or the default it names, never 0 or ""), and plain functions returning ConfigDicts, no logic. A
+variant gives each section's values by keyword."""
 
 import ml_collections
 
@@ -26,10 +27,11 @@ def root(**values) -> ml_collections.ConfigDict:
     return section(
         values,
         seed=Spec(int, COUNT),
-        cpu_devices=Spec(int, COUNT),  # XLA:CPU devices a host's CPU is split into (0: JAX's one)
-        # Compiled programs kept across relaunches and hosts ("": <workdir>/compilation_cache, or
-        # the environment's JAX_COMPILATION_CACHE_DIR; a gs:// folder is shared by every host of a slice)
-        compilation_cache_dir=Spec(str),
+        # XLA:CPU devices a host's CPU is split into (dapo_jax.sharding.use_cpu_devices)
+        cpu_devices=Spec(int, POSITIVE, none="JAX's one"),
+        # Compiled programs kept across relaunches and hosts (a gs:// folder is shared by every
+        # host of a slice)
+        compilation_cache_dir=Spec(str, none="<workdir>/compilation_cache, or JAX_COMPILATION_CACHE_DIR"),
     )
 
 
@@ -38,21 +40,22 @@ def model(**values) -> ml_collections.ConfigDict:
     return section(
         values,
         path=Spec(str),  # a model folder or a Hugging Face id (dapo_jax.hub)
-        tokenizer_path=Spec(str),  # "": model.path's tokenizer
+        tokenizer_path=Spec(str, none="model.path's"),
         dtype=Spec(str),  # compute dtype
         param_dtype=Spec(str),
         remat=Spec(bool),  # rematerialise each decoder layer in the backward pass
         remat_policy=Spec(str),  # a jax.checkpoint_policies name: what remat keeps
-        attention_chunk=Spec(int, COUNT),  # queries per block of the trainer's attention (0: all)
+        # queries per block of the trainer's attention
+        attention_chunk=Spec(int, POSITIVE, none="all at once"),
         scan_layers=Spec(bool),  # one compiled layer body (nn.scan)
-        logits_chunk=Spec(int, COUNT),  # tokens per block of LM head + log-softmax (0: one block)
+        logits_chunk=Spec(int, POSITIVE, none="one block"),  # tokens per block of LM head + log-softmax
         transposed_keys=Spec(bool),  # cached keys [B, K, E, S]: XLA:CPU's faster decode
     )
 
 
 def reference(**values) -> ml_collections.ConfigDict:
     """π_ref of the KL term (β > 0 only)."""
-    return section(values, path=Spec(str))  # "": no reference model (β = 0)
+    return section(values, path=Spec(str, none="no reference model: β = 0"))
 
 
 def mesh(**values) -> ml_collections.ConfigDict:
@@ -81,7 +84,7 @@ def rollout(**values) -> ml_collections.ConfigDict:
         group_size=Spec(int, POSITIVE),  # G responses per prompt
         temperature=Spec(float, "(0, inf)"),
         top_p=Spec(float, "(0, 1]"),
-        top_k=Spec(int, COUNT),  # 0: all tokens
+        top_k=Spec(int, POSITIVE, none="all tokens"),
         max_new_tokens=Spec(int, POSITIVE),  # L_max
         micro_batch_prompts=Spec(int, COUNT),  # prompts decoded at once (0: a generation batch)
         decode_slots=Spec(int, COUNT),  # rows decoded at once by continuous batching (0: a fixed batch)
@@ -90,8 +93,8 @@ def rollout(**values) -> ml_collections.ConfigDict:
         page_size=Spec(int, POSITIVE),  # the engine's KV slots per page
         kv_pages=Spec(int, COUNT),  # the engine's pages per rollout loop (0: all slots at L_max)
         tensor_parallel=Spec(int, COUNT),  # the sampler's mesh: data x tensor (0: the trainer's)
-        param_dtype=Spec(str, choices=("", "float32", "bfloat16")),  # its weights ("": model.param_dtype)
-        dtype=Spec(str, choices=("", "float32", "bfloat16")),  # its compute dtype ("": model.dtype)
+        param_dtype=Spec(str, choices=("float32", "bfloat16"), none="model.param_dtype"),  # its weights
+        dtype=Spec(str, choices=("float32", "bfloat16"), none="model.dtype"),  # its compute dtype
     )
 
 
@@ -101,9 +104,9 @@ def dapo_loss() -> ml_collections.ConfigDict:
         {},
         eps_low=Spec(float, "[0, 1)", default=0.2),  # ε_low, lower clip of r_{i,t}
         eps_high=Spec(float, COUNT, default=0.28),  # ε_high, Clip-Higher
-        clip_ratio_c=Spec(float, COUNT, default=10.0),  # c, dual-clip bound for A < 0 (0 = off)
+        clip_ratio_c=Spec(float, "(1, inf)", none="off", default=10.0),  # c, dual-clip bound for A < 0
         agg_mode=Spec(str, choices=objective.AGG_MODES, default="token-mean"),  # token-level loss
-        norm_const=Spec(int, COUNT, default=0),  # L_const of seq-mean-token-sum-norm (0 = L_max)
+        norm_const=Spec(int, POSITIVE, none="L_max", default=None),  # L_const of seq-mean-token-sum-norm
         beta=Spec(float, COUNT, default=0.0),  # β, k3 KL to the reference policy (DAPO: none)
         entropy_coef=Spec(float, COUNT, default=0.0),  # entropy bonus coefficient (entropy is logged always)
         normalize_std=Spec(bool, default=True),  # A_i = (R_i - mean) / (std + 1e-6); False = Dr.GRPO
@@ -111,12 +114,12 @@ def dapo_loss() -> ml_collections.ConfigDict:
         old_logp=Spec(str, choices=train_step.OLD_LOGP, default="recompute"),
         # Mismatch correction pi_old / pi_sampler (verl's algorithm.rollout_correction; the recipe
         # has none): importance weights "token" or "sequence", truncated at the threshold, and
-        # rejection "token", "sequence" or "geometric" outside [lower (0: 1 / upper), upper].
-        rollout_is=Spec(str, choices=rollout_correction.IS_LEVELS, default=""),
+        # rejection "token", "sequence" or "geometric" outside [lower, upper].
+        rollout_is=Spec(str, choices=rollout_correction.IS_LEVELS, none="off", default=None),
         rollout_is_threshold=Spec(float, "(0, inf)", default=2.0),
-        rollout_rs=Spec(str, choices=rollout_correction.RS_LEVELS, default=""),
+        rollout_rs=Spec(str, choices=rollout_correction.RS_LEVELS, none="off", default=None),
         rollout_rs_threshold=Spec(float, "(0, inf)", default=2.0),
-        rollout_rs_threshold_lower=Spec(float, COUNT, default=0.0),
+        rollout_rs_threshold_lower=Spec(float, "(0, inf)", none="1 / rollout_rs_threshold", default=None),
     )
 
 
@@ -143,7 +146,7 @@ def dynamic_sampling(gen_batch_prompts: int, max_num_gen_batches: int) -> ml_col
         # acc (the recipe's DAPO script), score or reward
         metric=Spec(str, choices=FILTER_METRICS, default="acc"),
         gen_batch_prompts=Spec(int, POSITIVE),
-        max_num_gen_batches=Spec(int, COUNT),  # bound on generation batches per step (0: none)
+        max_num_gen_batches=Spec(int, POSITIVE, none="no bound"),  # generation batches per step
         carry_over=Spec(bool, default=False),  # recipe: discard kept groups beyond the train batch
         # bound hit: train on what was kept ("raise" = the recipe)
         on_exhausted=Spec(str, choices=ON_EXHAUSTED, default="mask"),
@@ -184,9 +187,9 @@ def checkpoint(**values) -> ml_collections.ConfigDict:
     return section(
         values,
         every=Spec(int, POSITIVE),  # steps between checkpoints
-        # also after a step when that much wall clock has passed since the last one (0: off), so
-        # that a preemption loses little of a long step
-        every_minutes=Spec(float, COUNT),
+        # also after a step when that much wall clock has passed since the last one, so that a
+        # preemption loses little of a long step
+        every_minutes=Spec(float, "(0, inf)", none="off"),
         keep=Spec(int, POSITIVE),
         asynchronous=Spec(bool),
     )
@@ -196,11 +199,11 @@ def evaluation(**values) -> ml_collections.ConfigDict:
     """The held-out evaluation (config.eval): avg@samples accuracy (dapo_jax.evaluation)."""
     return section(
         values,
-        every=Spec(int, COUNT),  # steps between evaluations (0: none during training)
+        every=Spec(int, POSITIVE, none="none during training"),  # steps between evaluations
         samples=Spec(int, POSITIVE),  # responses per problem
         temperature=Spec(float, "(0, inf)"),
         top_p=Spec(float, "(0, 1]"),
-        max_problems=Spec(int, COUNT),  # the first this many problems (0: all)
+        max_problems=Spec(int, POSITIVE, none="all"),  # the first this many problems
         batch_prompts=Spec(int, POSITIVE),  # problems per batch (one compiled program)
         micro_batch_prompts=Spec(int, COUNT),  # prompts decoded at once (0: all eval.batch_prompts)
         at_start=Spec(bool),  # also before the first step
@@ -219,9 +222,9 @@ def metrics(**values) -> ml_collections.ConfigDict:
         writers=Spec(str),  # comma-separated: jsonl, tensorboard, wandb
         wandb_project=Spec(str),
         aliases=Spec(bool),  # wandb also under verl's recipe names (metrics.RECIPE_NAMES)
-        completions_every=Spec(int, COUNT),  # steps between tables of sampled completions (0: none)
+        completions_every=Spec(int, POSITIVE, none="none"),  # steps between tables of sampled completions
         completions_rows=Spec(int, POSITIVE),  # responses in a table: one from each of the first groups
-        completions_chars=Spec(int, COUNT),  # the last characters of prompt and response kept (0: all)
+        completions_chars=Spec(int, POSITIVE, none="all"),  # the last characters of prompt and response kept
     )
 
 

@@ -25,10 +25,10 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
     """The official 32B run (docs/dapo_spec.md section 8): 512 prompts x G=16, 16 updates per step."""
     # Compiled programs in <workdir>/compilation_cache, or the environment's JAX_COMPILATION_CACHE_DIR
     # (a gs:// folder in compilation_cache_dir is shared by every host of a slice)
-    c = common.root(seed=0, cpu_devices=0, compilation_cache_dir="")
+    c = common.root(seed=0, cpu_devices=None, compilation_cache_dir=None)
     c.model = common.model(
         path="/ckpt/Qwen2.5-32B",
-        tokenizer_path="",
+        tokenizer_path=None,
         dtype="bfloat16",
         param_dtype="float32",
         remat=True,
@@ -38,7 +38,7 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
         logits_chunk=2048,
         transposed_keys=False,  # cached keys [B, K, E, S]: XLA:CPU's faster decode
     )  # LM head + log-softmax over 2048 x 152k, not 22k x 152k
-    c.reference = common.reference(path="")  # β = 0: no reference model is loaded or run
+    c.reference = common.reference(path=None)  # β = 0: no reference model is loaded or run
     c.mesh = common.mesh(data=1, fsdp=-1, tensor=8)  # v5p-128: 64 chips = fsdp 8 x tensor 8 (aot.py)
     c.data = common.data(
         train_files=("/data/dapo-math-17k.parquet",),
@@ -53,7 +53,7 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
         group_size=16,  # G responses per prompt
         temperature=1.0,
         top_p=1.0,
-        top_k=0,
+        top_k=None,
         max_new_tokens=20480,  # L_max
         # The engine, continuous batching proper: a whole generation batch a call (192 prompts x
         # 16 = 3,072 rows on each of the 8 data shards) decoded in 64 slots a shard, a row
@@ -70,7 +70,7 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
         # `python -m dapo_jax.aot`, docs/tpu_32b_plan.md)
         tensor_parallel=8,
         param_dtype="bfloat16",
-        dtype="",  # the sampler's compute dtype ("": the trainer's, model.dtype)
+        dtype=None,  # the sampler's compute dtype (None: the trainer's, model.dtype)
     )
     c.reward = common.dapo_reward(overlong_buffer=4096)
     c.filter = common.dynamic_sampling(gen_batch_prompts=1536, max_num_gen_batches=10)
@@ -97,14 +97,14 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
         max_consecutive_nonfinite=5,  # stop (with a checkpoint) after this many skipped updates
     )
     # every: steps between checkpoints; every_minutes: also after a step when that much wall clock
-    # has passed since the last one (0: off), so that a preemption loses little of a long step
+    # has passed since the last one (None: off), so that a preemption loses little of a long step
     c.checkpoint = common.checkpoint(every=10, every_minutes=30.0, keep=3, asynchronous=True)
     c.eval = common.evaluation(
         every=20,
         samples=32,
         temperature=1.0,
         top_p=0.7,
-        max_problems=0,
+        max_problems=None,
         batch_prompts=32,
         # all 32 prompts x 32 samples in one engine call: 4 x 32 = 128 rows a data shard in its 64
         # slots (docs/tpu_32b_plan.md)
@@ -116,9 +116,9 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
         writers="jsonl,tensorboard",  # add ",wandb" (pip install wandb)
         wandb_project="dapo-jax",
         aliases=False,  # wandb also under verl's recipe names (metrics.RECIPE_NAMES)
-        completions_every=10,  # steps between tables of sampled completions (0: none)
+        completions_every=10,  # steps between tables of sampled completions (None: none)
         completions_rows=8,  # responses in a table: one from each of the first groups
-        completions_chars=2000,  # the last characters of prompt and response kept (0: all)
+        completions_chars=2000,  # the last characters of prompt and response kept (None: all)
     )
     c.profile = common.profile(steps="")  # "a,b": a jax.profiler trace of those steps in <workdir>/profile
     return c
@@ -164,10 +164,10 @@ def tiny() -> ml_collections.ConfigDict:
     """CPU scale: the shipped tiny base model on the shipped synthetic task, a few minutes."""
     # The 2-core CPU as 2 XLA devices, the data axis across them (sharding.use_cpu_devices): the
     # faster step here (experiments/README.md). Compiled programs in <workdir>/compilation_cache.
-    c = common.root(seed=0, cpu_devices=2, compilation_cache_dir="")
+    c = common.root(seed=0, cpu_devices=2, compilation_cache_dir=None)
     c.model = common.model(
         path=common.TINY_MODEL,
-        tokenizer_path="",
+        tokenizer_path=None,
         dtype="float32",
         param_dtype="float32",
         remat=False,
@@ -176,10 +176,10 @@ def tiny() -> ml_collections.ConfigDict:
         # update on this CPU (experiments/README.md).
         attention_chunk=64,
         scan_layers=False,
-        logits_chunk=0,
+        logits_chunk=None,
         transposed_keys=True,  # cached keys [B, K, E, S]: XLA:CPU's faster decode
     )
-    c.reference = common.reference(path="")  # β = 0: no reference model is loaded or run
+    c.reference = common.reference(path=None)  # β = 0: no reference model is loaded or run
     c.mesh = common.mesh(data=-1, fsdp=1, tensor=1)
     c.data = common.data(
         train_files=(common.SYNTHETIC_TRAIN,),
@@ -194,7 +194,7 @@ def tiny() -> ml_collections.ConfigDict:
         group_size=8,  # G responses per prompt
         temperature=1.0,
         top_p=1.0,
-        top_k=0,
+        top_k=None,
         max_new_tokens=96,  # L_max; worked solutions take up to ~75 tokens
         micro_batch_prompts=0,  # the whole generation batch at once
         # The fixed batch: on this CPU, faster than the engine at the demo's lengths (the
@@ -205,8 +205,8 @@ def tiny() -> ml_collections.ConfigDict:
         page_size=16,  # the engine's KV slots per page
         kv_pages=0,  # the engine's pages per data shard (0: every slot at max_new_tokens, and a spare)
         tensor_parallel=0,  # the sampler's mesh: data x tensor (0: the trainer's mesh and weights)
-        param_dtype="",  # the sampler's weight dtype ("": the trainer's)
-        dtype="",  # the sampler's compute dtype ("": the trainer's, model.dtype)
+        param_dtype=None,  # the sampler's weight dtype (None: the trainer's)
+        dtype=None,  # the sampler's compute dtype (None: the trainer's, model.dtype)
     )
     c.reward = common.dapo_reward(overlong_buffer=16)
     c.filter = common.dynamic_sampling(gen_batch_prompts=64, max_num_gen_batches=4)
@@ -241,7 +241,7 @@ def tiny() -> ml_collections.ConfigDict:
         samples=4,
         temperature=1.0,
         top_p=1.0,
-        max_problems=0,
+        max_problems=None,
         batch_prompts=125,
         micro_batch_prompts=0,  # prompts decoded at once (0: all eval.batch_prompts)
         at_start=True,
@@ -251,9 +251,9 @@ def tiny() -> ml_collections.ConfigDict:
         writers="jsonl,tensorboard",  # add ",wandb" (pip install wandb)
         wandb_project="dapo-jax",
         aliases=False,  # wandb also under verl's recipe names (metrics.RECIPE_NAMES)
-        completions_every=10,  # steps between tables of sampled completions (0: none)
+        completions_every=10,  # steps between tables of sampled completions (None: none)
         completions_rows=8,  # responses in a table: one from each of the first groups
-        completions_chars=0,  # the last characters of prompt and response kept (0: all)
+        completions_chars=None,  # the last characters of prompt and response kept (None: all)
     )
     c.profile = common.profile(steps="")  # "a,b": a jax.profiler trace of those steps in <workdir>/profile
     return c
@@ -274,7 +274,7 @@ def smollm2_135m() -> ml_collections.ConfigDict:
     c.model.path = common.SMOLLM2_MODEL
     # f32 compute (tiny's): in bf16 the model's whole forward was not faster on this CPU
     # (experiments/results/smollm2/README.md)
-    c.model.attention_chunk = 0  # prompt + response under 200 tokens: one block
+    c.model.attention_chunk = None  # prompt + response under 200 tokens: one block
     c.model.logits_chunk = 512  # LM head + log-softmax over 512 x 49,152 at a time (the first
     # trial, without: 13.7 GiB resident)
     c.data.train_files = (common.SMOLLM2_TRAIN,)
@@ -305,7 +305,7 @@ def smollm2_135m() -> ml_collections.ConfigDict:
     c.train.micro_batch_size = 16
     c.checkpoint.every = 5
     c.checkpoint.every_minutes = 10.0
-    c.eval.every = 0  # held-out before and after the run, by dapo_jax.evaluate
+    c.eval.every = None  # held-out before and after the run, by dapo_jax.evaluate
     c.eval.at_start = False
     c.eval.batch_prompts = 100  # 400 rows decoded at once; 300 problems x 4 samples
     return c

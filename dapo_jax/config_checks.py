@@ -50,8 +50,6 @@ def check_config(c: ml_collections.ConfigDict, num_devices: int | None = None) -
     _check_paths(c)
     _check_sizes(c, num_devices)
     _check_micro_batches(c)
-    if 0 < c.loss.clip_ratio_c <= 1:
-        raise ConfigError(f"loss.clip_ratio_c must be 0 (off) or > 1, got {c.loss.clip_ratio_c}")
     if not hasattr(jax.checkpoint_policies, c.model.remat_policy):
         raise ConfigError(
             f"model.remat_policy {c.model.remat_policy!r} is not a "
@@ -137,7 +135,7 @@ def _check_old_logp(c: ml_collections.ConfigDict) -> None:
             "updates: use 'recompute' or 'sampler'"
         )
     for key in ("param_dtype", "dtype"):
-        if mode == "sampler" and c.rollout[key] not in ("", c.model[key]):
+        if mode == "sampler" and c.rollout[key] not in (None, c.model[key]):
             raise ConfigError(
                 f"loss.old_logp 'sampler' with rollout.{key} {c.rollout[key]!r}: the sampler's log-probs "
                 f"are not pi_old of the trainer's {c.model[key]} model: use 'recompute' or 'detached'"

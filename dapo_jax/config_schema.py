@@ -50,6 +50,7 @@ class Spec:
         return text + (f" or None ({self.none})" if self.none else "")
 
     def accepts(self, value) -> bool:
+        """Whether `value` is of the kind (no bool for a number), among the choices, in the range."""
         if value is None:
             return self.none is not None
         if isinstance(value, bool) != (self.kind is bool):

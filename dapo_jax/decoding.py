@@ -40,7 +40,7 @@ class SamplingConfig:
     prompt_buckets: tuple[int, ...]  # prompt lengths Q compiled for, ascending
     temperature: float = 1.0
     top_p: float = 1.0  # nucleus: keep the most likely tokens up to this probability mass
-    top_k: int = 0  # keep the k most likely tokens; 0 keeps all
+    top_k: int | None = None  # keep the k most likely tokens; None keeps all
     greedy: bool = False  # argmax instead of sampling (logp still under log_softmax(logits / T))
     decode_chunks: int = 4  # the fixed batch's phases; each attends over the slots filled by its end
     paged: bool = False  # the engine (`engine`): continuous batching over a paged KV cache
@@ -61,8 +61,8 @@ class SamplingConfig:
             raise ValueError(f"temperature must be > 0 (use greedy=True), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1 (None: all tokens), got {self.top_k}")
         if self.decode_chunks < 1:
             raise ValueError(f"decode_chunks must be >= 1, got {self.decode_chunks}")
         if self.decode_slots < 0:
@@ -101,7 +101,7 @@ def decode_step(model: Transformer, params, tokens_B, positions_B, attn_BxS, cac
     return logits_Bx1xV[:, 0], caches
 
 
-def truncate_logits(logits_BxV, top_k: int, top_p: float):
+def truncate_logits(logits_BxV, top_k: int | None, top_p: float):
     """Set to -inf the logits outside the top k, then outside the smallest set of most likely
     tokens whose (renormalised) probability reaches top_p. Ties at the boundary are kept."""
     if top_k:

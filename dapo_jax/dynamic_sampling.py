@@ -9,8 +9,8 @@ may also name "score" or "reward", as the recipe's `filter_groups.metric` may. A
 (G = 1) is kept: its std is 0 by definition, not for want of signal, and its advantage is its
 reward (objective.group_advantages); the recipe keeps it too, and dropping it would leave G = 1
 runs with nothing to train on. Generation batches are drawn until P (the train batch's) groups are
-kept, then exactly P whole groups are taken. At most `max_num_gen_batches` are drawn per step (0:
-no bound, as the recipe's `max_num_gen_batches <= 0`); when that bound is hit the step still gets a
+kept, then exactly P whole groups are taken. At most `max_num_gen_batches` are drawn per step (None:
+no bound, the recipe's `max_num_gen_batches <= 0`); when that bound is hit the step still gets a
 full-shape batch in which the missing groups are zero rows with valid_B False (or an error,
 on_exhausted="raise", the recipe's behaviour).
 
@@ -51,16 +51,20 @@ class DynamicSampler:
         self,
         train_batch_groups: int,
         group_size: int,
-        max_num_gen_batches: int,
+        max_num_gen_batches: int | None,
         *,
         filter_groups: bool,
         metric: str,
         carry_over: bool,
         on_exhausted: str,
     ):
-        if train_batch_groups < 1 or group_size < 1 or max_num_gen_batches < 0:
+        if (
+            train_batch_groups < 1
+            or group_size < 1
+            or (max_num_gen_batches is not None and max_num_gen_batches < 1)
+        ):
             raise ValueError(
-                "train_batch_groups and group_size must be >= 1 and max_num_gen_batches >= 0 (0: no bound)"
+                "train_batch_groups, group_size and max_num_gen_batches (None: no bound) must be >= 1"
             )
         if on_exhausted not in ON_EXHAUSTED:
             raise ValueError(f"on_exhausted must be one of {ON_EXHAUSTED}, got {on_exhausted!r}")
@@ -91,8 +95,8 @@ class DynamicSampler:
 
     @property
     def bound_reached(self) -> bool:
-        """max_num_gen_batches generation batches added since the last `take` (never, at 0)."""
-        return bool(self._max_num_gen_batches) and len(self._generated) >= self._max_num_gen_batches
+        """max_num_gen_batches generation batches added since the last `take` (never, at None)."""
+        return self._max_num_gen_batches is not None and len(self._generated) >= self._max_num_gen_batches
 
     def add(self, batch: GenerationBatch) -> None:
         """One generation batch of whole groups; its groups with signal are kept."""
@@ -102,10 +106,10 @@ class DynamicSampler:
             )
         self._generated.append(batch)
         self._kept_P.append(self._keep(getattr(batch, f"{self._metric}_B")))
-        if not self._max_num_gen_batches and len(self._generated) % 10 == 0 and not self.full:
+        if self._max_num_gen_batches is None and len(self._generated) % 10 == 0 and not self.full:
             logging.warning(
                 "dynamic sampling: %d of %d groups kept after %d generation batches "
-                "(max_num_gen_batches = 0: no bound)",
+                "(max_num_gen_batches = None: no bound)",
                 self.num_kept,
                 self._P,
                 len(self._generated),

@@ -136,7 +136,7 @@ def config_from_hf(
     dtype="bfloat16",
     param_dtype="float32",
     remat=False,
-    attention_chunk=0,
+    attention_chunk=None,
     source="config.json",
     **numerics,
 ) -> ModelConfig:

@@ -56,11 +56,11 @@ def chunked_logp_and_entropy(
     x_BxTxD,
     targets_BxT,
     temperature: float,
-    chunk: int,
+    chunk: int | None,
     remat: bool = True,
 ):
     """`objective.token_logp_and_entropy` of the logits `lm_head(x)`, computed over blocks of
-    `chunk` tokens (one block when T <= chunk or chunk = 0). Each block's B x chunk x V logits
+    `chunk` tokens (one block when T <= chunk or chunk is None). Each block's B x chunk x V logits
     are made, reduced to log p and H and dropped; with `remat` they are recomputed in the backward
     pass, which then also holds one block's logits at a time, not T x V of them (~13 GB of f32
     logits per 20k-token sequence at Qwen's 152k vocabulary)."""

@@ -57,10 +57,10 @@ class ModelConfig:
     param_dtype: str = "float32"
     remat: bool = False  # rematerialise each decoder layer in the backward pass
     remat_policy: str = "nothing_saveable"  # a jax.checkpoint_policies name: what remat keeps
-    attention_chunk: int = 0  # queries per block of multi-token attention (0: all at once); in the
+    attention_chunk: int | None = None  # queries per block of multi-token attention (None: all); in the
     # trainer, memory-bounded with remat, else about half the scores skipped (`chunked_attention`)
     scan_layers: bool = False  # one compiled layer body (nn.scan), params stacked on "layers"
-    logits_chunk: int = 0  # tokens per block of LM head + log-softmax in the trainer (0: one)
+    logits_chunk: int | None = None  # tokens per block of LM head + log-softmax in the trainer (None: 1)
     transposed_keys: bool = False  # cached keys as [B, K, E, S] (`KVCache`), for XLA:CPU's decode
 
     @property
@@ -249,8 +249,10 @@ def decode_attention(q_BxKxRxE, cache: KVCache, attn_BxS, dtype, transposed_keys
     return jnp.sum(probs_BxKxRxS[..., None] * cache.v[:, :, None], -2)
 
 
-def chunked_attention(q_BxTxKxRxE, keys, v_BxKxSxE, attn_BxTxS, dtype, chunk: int, causal_prefix: bool):
-    """`grouped_attention` over blocks of `chunk` queries (one block when T <= chunk or chunk = 0).
+def chunked_attention(
+    q_BxTxKxRxE, keys, v_BxKxSxE, attn_BxTxS, dtype, chunk: int | None, causal_prefix: bool
+):
+    """`grouped_attention` over blocks of `chunk` queries (one block when T <= chunk or chunk is None).
 
     By default the blocks run one after another (`lax.map`), each rematerialised in the backward
     pass: one block's B x K x R x C x S scores are alive at a time, not all T rows of them (a

@@ -153,15 +153,16 @@ def _get(client, key: str) -> str | None:
 
 
 class ClockCadence:
-    """Whether a checkpoint is due by the wall clock: `every_minutes` since the last save (0:
+    """Whether a checkpoint is due by the wall clock: `every_minutes` since the last save (None:
     never). Process 0's clock decides and its answer is broadcast, so that every process saves at
     the same step (the processes' clocks and step times differ)."""
 
-    def __init__(self, every_minutes: float):
-        self._every_s, self._last = every_minutes * 60.0, time.monotonic()
+    def __init__(self, every_minutes: float | None):
+        self._every_s = None if every_minutes is None else every_minutes * 60.0
+        self._last = time.monotonic()
 
     def due(self) -> bool:
-        if not self._every_s:
+        if self._every_s is None:
             return False
         mine = time.monotonic() - self._last >= self._every_s
         if jax.process_count() == 1:

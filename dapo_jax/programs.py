@@ -101,13 +101,12 @@ def make_optimizer(c: ml_collections.ConfigDict):
 
 def loss_config(c: ml_collections.ConfigDict) -> train_step.LossConfig:
     """The policy loss's knobs: config.loss's keys of the same names, every one of them (the
-    record's defaults never stand in for a config; normalize_std belongs to the advantages), 0
-    meaning off for c and L_max for L_const, and the rollout's temperature."""
+    record's defaults never stand in for a config; normalize_std belongs to the advantages), None
+    meaning L_max for L_const, and the rollout's temperature."""
     names = {f.name for f in dataclasses.fields(train_step.LossConfig)} - {"temperature"}
     return train_step.LossConfig(
         **{
             **{k: c.loss[k] for k in names},
-            "clip_ratio_c": c.loss.clip_ratio_c or None,
             "norm_const": c.loss.norm_const or c.rollout.max_new_tokens,
             "temperature": c.rollout.temperature,
         }

@@ -164,9 +164,11 @@ def evaluate(
     return metrics
 
 
-def sample_records(batch: GenerationBatch, examples: list[dict], rows, tail_chars: int = 0) -> list[dict]:
+def sample_records(
+    batch: GenerationBatch, examples: list[dict], rows, tail_chars: int | None = None
+) -> list[dict]:
     """One readable record per row b of `rows` (`examples[i]` the problem of row rows[i]): prompt,
-    response (their last `tail_chars` characters when > 0), extracted answer, ground truth, score,
+    response (their last `tail_chars` characters, all at None), extracted answer, ground truth, score,
     acc, shaped reward, length, truncated."""
     tail = (lambda text: text[-tail_chars:]) if tail_chars else (lambda text: text)
     return [

@@ -25,8 +25,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-IS_LEVELS = ("", "token", "sequence")  # "": no importance weights
-RS_LEVELS = ("", "token", "sequence", "geometric")  # "": no rejection
+IS_LEVELS = ("token", "sequence")  # or None: no importance weights
+RS_LEVELS = ("token", "sequence", "geometric")  # or None: no rejection
 _LOG_LIMIT = 20.0  # |log ρ| bound, so that exp cannot overflow (verl's safety bound)
 
 
@@ -34,23 +34,24 @@ _LOG_LIMIT = 20.0  # |log ρ| bound, so that exp cannot overflow (verl's safety 
 class CorrectionConfig:
     """The correction's knobs, verl's names (`algorithm.rollout_correction.*`); static under jit."""
 
-    rollout_is: str = ""  # one of IS_LEVELS
+    rollout_is: str | None = None  # one of IS_LEVELS (None: off)
     rollout_is_threshold: float = 2.0  # τ, the truncation of the IS weights
-    rollout_rs: str = ""  # one of RS_LEVELS
+    rollout_rs: str | None = None  # one of RS_LEVELS (None: off)
     rollout_rs_threshold: float = 2.0  # upper bound of the accepted ratios
-    rollout_rs_threshold_lower: float = 0.0  # lower bound (0: 1 / rollout_rs_threshold)
+    rollout_rs_threshold_lower: float | None = None  # lower bound (None: 1 / rollout_rs_threshold)
 
     def __post_init__(self):
-        if self.rollout_is not in IS_LEVELS:
-            raise ValueError(f"unknown rollout_is {self.rollout_is!r}; use one of {IS_LEVELS}")
-        if self.rollout_rs not in RS_LEVELS:
-            raise ValueError(f"unknown rollout_rs {self.rollout_rs!r}; use one of {RS_LEVELS}")
+        if self.rollout_is not in (None, *IS_LEVELS):
+            raise ValueError(f"unknown rollout_is {self.rollout_is!r}; use one of {IS_LEVELS} or None")
+        if self.rollout_rs not in (None, *RS_LEVELS):
+            raise ValueError(f"unknown rollout_rs {self.rollout_rs!r}; use one of {RS_LEVELS} or None")
         if self.rollout_is and self.rollout_is_threshold <= 0:
             raise ValueError(f"rollout_is_threshold must be > 0, got {self.rollout_is_threshold}")
-        if self.rollout_rs and not 0 <= self.rollout_rs_threshold_lower < self.rollout_rs_threshold:
+        lower = self.rollout_rs_threshold_lower
+        if self.rollout_rs and lower is not None and not 0 < lower < self.rollout_rs_threshold:
             raise ValueError(
-                f"rollout_rs needs 0 <= rollout_rs_threshold_lower < rollout_rs_threshold, got "
-                f"{self.rollout_rs_threshold_lower} and {self.rollout_rs_threshold}"
+                f"rollout_rs needs 0 < rollout_rs_threshold_lower < rollout_rs_threshold, got "
+                f"{lower} and {self.rollout_rs_threshold}"
             )
 
     @property
@@ -88,7 +89,7 @@ def correct(cfg: CorrectionConfig, old_logp_BxT, sampler_logp_BxT, loss_mask_BxT
     keep_BxT = on_BxT
     if cfg.rollout_rs:
         upper = cfg.rollout_rs_threshold
-        lower = cfg.rollout_rs_threshold_lower or 1.0 / upper
+        lower = 1.0 / upper if cfg.rollout_rs_threshold_lower is None else cfg.rollout_rs_threshold_lower
         outside = lambda r: (r > upper) | (r < lower)
         if cfg.rollout_rs == "token":
             keep_BxT = on_BxT & ~outside(rho_BxT)

@@ -36,8 +36,8 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 
-def use_cpu_devices(n: int) -> None:
-    """Split this host's CPU into `n` XLA devices (`jax_num_cpu_devices`; 0 keeps JAX's one).
+def use_cpu_devices(n: int | None) -> None:
+    """Split this host's CPU into `n` XLA devices (`jax_num_cpu_devices`; None keeps JAX's one).
 
     On a machine without an accelerator the mesh's data axis then runs a shard of the batch on
     each device at once, one core each, where one device leaves the cores to XLA:CPU's
@@ -45,7 +45,7 @@ def use_cpu_devices(n: int) -> None:
     pass keep half idle. It takes effect only before JAX starts its backends, and yields to
     `--xla_force_host_platform_device_count` in XLA_FLAGS (the tests' fake meshes, a launcher's
     choice); either way the devices JAX has are kept, and said so."""
-    if n == 0:
+    if n is None:
         return
     from jax._src import xla_bridge  # noqa: PLC0415 - no public API says whether JAX has started
 

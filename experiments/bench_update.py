@@ -105,7 +105,7 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def make_update(old_logp: str, dtype: str, micro: int, micro_rows: int, mesh, attention_chunk: int = 0):
+def make_update(old_logp: str, dtype: str, micro: int, micro_rows: int, mesh, attention_chunk=None):
     """`update(state, rollout, sampler_logp) -> (state, metrics)`: log pi_old then one step; with
     `micro_rows` the rollout packed first (`dapo_jax.packing`)."""
     m = model.Transformer(dataclasses.replace(CFG, dtype=dtype, attention_chunk=attention_chunk))
@@ -148,7 +148,7 @@ def main():
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--mix", default="uniform", choices=tuple(RESPONSE))
     parser.add_argument(
-        "--attention_chunk", type=int, default=0, help="model.attention_chunk (the tiny config's: 64)"
+        "--attention_chunk", type=int, default=None, help="model.attention_chunk (the tiny config's: 64)"
     )
     args = parser.parse_args()
     names = args.variants.split(",")

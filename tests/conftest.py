@@ -93,7 +93,7 @@ SMALL = {
     "train.steps": 1,
     "train.length_bucket": 16,
     "eval.at_start": False,
-    "eval.every": 0,
+    "eval.every": None,
     "checkpoint.every": 1,
 }
 

@@ -33,9 +33,13 @@ def test_shipped_configs_are_in_range(variant):
         ("rollout.temperature", 0.0, "rollout.temperature must be a float in (0, inf), got 0.0"),
         ("checkpoint.every", 0, "checkpoint.every must be an int in [1, inf), got 0"),
         ("train.micro_batch_size", 0, "train.micro_batch_size must be an int in [1, inf), got 0"),
-        ("filter.max_num_gen_batches", -1, "filter.max_num_gen_batches must be an int in [0, inf), got -1"),
+        (
+            "filter.max_num_gen_batches",
+            0,
+            "filter.max_num_gen_batches must be an int in [1, inf) or None (no bound), got 0",
+        ),
         ("reward.overlong_buffer", 200, "reward.overlong_buffer 200 exceeds rollout.max_new_tokens 96"),
-        ("loss.clip_ratio_c", 0.5, "loss.clip_ratio_c must be 0 (off) or > 1, got 0.5"),
+        ("loss.clip_ratio_c", 0.5, "loss.clip_ratio_c must be a float in (1, inf) or None (off), got 0.5"),
         ("data.prompt_buckets", (0,), "data.prompt_buckets must be positive lengths, got (0,)"),
         (
             "filter.metric",
@@ -97,15 +101,16 @@ def test_out_of_range_value_is_named(key, value, message):
         ),
         (
             {"loss.rollout_rs": "tokens"},
-            "loss.rollout_rs must be one of ('', 'token', 'sequence', 'geometric'), got 'tokens'",
+            "loss.rollout_rs must be one of ('token', 'sequence', 'geometric') or None (off), got 'tokens'",
         ),
         (
             {"rollout.param_dtype": "int8"},
-            "rollout.param_dtype must be one of ('', 'float32', 'bfloat16'), got 'int8'",
+            "rollout.param_dtype must be one of ('float32', 'bfloat16') or None (model.param_dtype), "
+            "got 'int8'",
         ),
         (
             {"rollout.dtype": "float16"},
-            "rollout.dtype must be one of ('', 'float32', 'bfloat16'), got 'float16'",
+            "rollout.dtype must be one of ('float32', 'bfloat16') or None (model.dtype), got 'float16'",
         ),
     ],
 )

@@ -231,10 +231,10 @@ def test_bad_generation_batches_and_settings_are_rejected():
         ds(1).take()
 
 
-def test_zero_max_num_gen_batches_means_no_bound():
+def test_no_max_num_gen_batches_means_no_bound():
     # Ten all-correct batches, then one kept group per batch: 13 batches fill 3 groups.
     script = [[(1, 1), (0, 0)]] * 10 + [[(1, 0), (1, 1)]] * 3
-    batch, stats = fill(ds(3, max_num_gen_batches=0), scripted(script))
+    batch, stats = fill(ds(3, max_num_gen_batches=None), scripted(script))
     assert stats["dynamic_sampling/gen_batches"] == 13
     np.testing.assert_array_equal(batch.rows.problem_id_B, [20, 20, 22, 22, 24, 24])
     assert batch.valid_B.all()

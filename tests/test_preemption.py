@@ -108,7 +108,7 @@ def test_the_wall_clock_cadence(monkeypatch):
     assert clock.due()
     clock.saved()
     assert not clock.due()
-    assert not preemption.ClockCadence(0).due()
+    assert not preemption.ClockCadence(None).due()
 
 
 class _Exit(Exception):

@@ -39,7 +39,7 @@ def test_the_samplers_compute_dtype_is_set_apart_from_the_trainers():
     assert sampler_model.config.dtype == "float32" and m.config.dtype == "bfloat16"
     assert sampler_model.config.param_dtype == m.config.param_dtype and sampler_mesh is mesh
     assert cast is None
-    c.rollout.dtype = ""
+    c.rollout.dtype = None
     assert programs.rollout_layout(c, m, mesh)[0] is m
 
 

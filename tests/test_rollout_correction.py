@@ -62,7 +62,7 @@ def test_token_rejection():
 @pytest.mark.parametrize(
     "level, lower, upper, keep_rows",
     [
-        ("sequence", 0.0, 1.5, [True, False]),  # products 0.75 and 1.8; lower 1 / 1.5 < 0.75
+        ("sequence", None, 1.5, [True, False]),  # products 0.75 and 1.8; lower 1 / 1.5 < 0.75
         ("sequence", 0.8, 2.0, [False, True]),
         ("geometric", 0.9, 1.2, [True, False]),  # means: 0.75^(1/4) = 0.93, 1.8^(1/3) = 1.22
         ("geometric", 0.95, 1.25, [False, True]),

@@ -41,7 +41,7 @@ def test_cpu_devices_split_the_host_before_jax_starts_and_yield_to_xla_flags():
     assert "cpu_devices 3 not applied: JAX started with 2 CPU devices" in out[2]
     code = "sharding.use_cpu_devices(2); print(jax.local_device_count())"
     assert _cpu_devices_after(code, "--xla_force_host_platform_device_count=3")[0] == "3"
-    assert _cpu_devices_after("sharding.use_cpu_devices(0); print(jax.local_device_count())", "") == ["1"]
+    assert _cpu_devices_after("sharding.use_cpu_devices(None); print(jax.local_device_count())", "") == ["1"]
 
 
 def test_sharded_forward_equals_single_device(qwen2_dir):

@@ -61,7 +61,7 @@ def workdir(tmp_path_factory):
                 profile__steps="2",
                 metrics__completions_every=1,
                 metrics__completions_rows=2,
-                metrics__completions_chars=0,
+                metrics__completions_chars=None,
             ),
             str(path),
         )

@@ -38,7 +38,9 @@ def config(spec: dict, data_file: str):
         max_prompt_len=width,
         prompt_buckets=(width,),
     )
-    c.rollout.update(group_size=g, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=spec["max_new_tokens"])
+    c.rollout.update(
+        group_size=g, temperature=1.0, top_p=1.0, top_k=None, max_new_tokens=spec["max_new_tokens"]
+    )
     c.reward.update(
         fn=os.path.join(os.path.dirname(os.path.abspath(__file__)), "workload.py") + ":char_reward",
         overlong_penalty=False,
@@ -48,7 +50,7 @@ def config(spec: dict, data_file: str):
     c.filter.update(enable=False, gen_batch_prompts=n)
     # One update per rollout batch: log pi_old is the detached current log-prob, as in TRL and Tunix.
     c.loss.update(
-        eps_low=0.2, eps_high=0.28, clip_ratio_c=0.0, agg_mode="token-mean", beta=0.0, old_logp="detached"
+        eps_low=0.2, eps_high=0.28, clip_ratio_c=None, agg_mode="token-mean", beta=0.0, old_logp="detached"
     )
     c.optim.update(
         lr=spec["lr"], warmup_rollout_steps=0, schedule="constant", weight_decay=spec["weight_decay"]
@@ -64,7 +66,7 @@ def config(spec: dict, data_file: str):
     )
     c.checkpoint.update(every=10_000, asynchronous=False)
     c.eval.update(every=0, at_start=False)
-    c.metrics.update(writers="jsonl", completions_every=0)
+    c.metrics.update(writers="jsonl", completions_every=None)
     c.seed = spec["seed"]
     from dapo_jax import overrides  # pylint: disable=import-outside-toplevel
 
