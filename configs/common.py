@@ -87,11 +87,11 @@ def rollout(**values) -> ml_collections.ConfigDict:
         top_k=Spec(int, POSITIVE, none="all tokens"),
         max_new_tokens=Spec(int, POSITIVE),  # L_max
         micro_batch_prompts=Spec(int, COUNT),  # prompts decoded at once (0: a generation batch)
-        decode_slots=Spec(int, COUNT),  # rows decoded at once by continuous batching (0: a fixed batch)
-        decode_chunks=Spec(int, POSITIVE),  # the fixed batch's phases
+        decode_slots=Spec(int, COUNT),  # the engine's rows decoded at once (0: every row)
+        decode_chunks=Spec(int, POSITIVE),  # the fixed batch's phases (paged=False)
         paged=Spec(bool),  # the engine: continuous batching over a paged KV cache
         page_size=Spec(int, POSITIVE),  # the engine's KV slots per page
-        kv_pages=Spec(int, COUNT),  # the engine's pages per rollout loop (0: all slots at L_max)
+        kv_pages=Spec(int, COUNT),  # the engine's pages per data shard (0: every slot at L_max)
         tensor_parallel=Spec(int, COUNT),  # the sampler's mesh: data x tensor (0: the trainer's)
         param_dtype=Spec(str, choices=("float32", "bfloat16"), none="model.param_dtype"),  # its weights
         dtype=Spec(str, choices=("float32", "bfloat16"), none="model.dtype"),  # its compute dtype
