@@ -65,7 +65,7 @@ def config(spec: dict, data_file: str):
         micro_batch_size=math.gcd(c.train.micro_batch_size, n * g),
     )
     c.checkpoint.update(every=10_000, asynchronous=False)
-    c.eval.update(every=0, at_start=False)
+    c.eval.update(every=None, at_start=False)
     c.metrics.update(writers="jsonl", completions_every=None)
     c.seed = spec["seed"]
     from dapo_jax import overrides  # pylint: disable=import-outside-toplevel
