@@ -159,7 +159,7 @@ def optim(**values) -> ml_collections.ConfigDict:
         values,
         lr=Spec(float, "(0, inf)"),
         warmup_rollout_steps=Spec(int, COUNT),  # linear warm-up over this many rollout steps
-        schedule=Spec(str),
+        schedule=Spec(str, choices=train_step.SCHEDULES),
         weight_decay=Spec(float, COUNT),
         grad_clip=Spec(float, "(0, inf)"),  # the global gradient norm's bound
         b1=Spec(float, "[0, 1)"),  # AdamW β1, β2, ε

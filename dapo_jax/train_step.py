@@ -40,6 +40,8 @@ from dapo_jax import logprobs, objective, rollout_correction, sharding
 # the recompute pass made before.
 OLD_LOGP = ("recompute", "sampler", "detached")
 
+SCHEDULES = ("constant", "cosine")  # the learning rate after its warm-up
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LossConfig(objective.PolicyLossConfig, rollout_correction.CorrectionConfig):
@@ -90,8 +92,8 @@ def learning_rate_schedule(
     """lr(s) for optimizer update s = 0, 1, ...: linear warm-up peak * (s + 1) / warmup_updates
     (so update 0 already learns), then constant (DAPO) or cosine down to final_ratio * peak at
     total_updates. Counts are updates; `programs.learning_rate_schedule` converts rollout steps."""
-    if kind not in ("constant", "cosine"):
-        raise ValueError(f"unknown schedule {kind!r}; use 'constant' or 'cosine'")
+    if kind not in SCHEDULES:
+        raise ValueError(f"unknown schedule {kind!r}; use one of {SCHEDULES}")
     if warmup_updates < 0:
         raise ValueError(f"warm-up must be >= 0 updates, got {warmup_updates}")
     if kind == "cosine" and (total_updates is None or total_updates <= warmup_updates):

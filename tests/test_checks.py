@@ -27,6 +27,7 @@ def test_shipped_configs_are_in_range(variant):
         ("rollout.group_size", 0, "rollout.group_size must be an int in [1, inf), got 0"),
         ("optim.lr", 0.0, "optim.lr must be a float in (0, inf), got 0.0"),
         ("optim.lr", -1e-6, "optim.lr must be a float in (0, inf), got -1e-06"),
+        ("optim.schedule", "linear", "optim.schedule must be one of ('constant', 'cosine'), got 'linear'"),
         ("rollout.max_new_tokens", 0, "rollout.max_new_tokens must be an int in [1, inf), got 0"),
         ("data.max_prompt_len", 0, "data.max_prompt_len must be an int in [1, inf), got 0"),
         ("rollout.top_p", 0.0, "rollout.top_p must be a float in (0, 1], got 0.0"),
