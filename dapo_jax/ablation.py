@@ -94,7 +94,7 @@ def _sft_updates(run, c: ml_collections.ConfigDict, examples: list[dict], params
     optimizer = train_step.make_optimizer(
         optax.constant_schedule(lr),
         weight_decay=o.weight_decay,
-        max_grad_norm=o.grad_clip,
+        grad_clip=o.grad_clip,
         b1=o.b1,
         b2=o.b2,
         eps=o.eps,

@@ -38,41 +38,41 @@ _LOGGED = ("acc", "score", "reward", "length", "truncated")
 
 class DynamicSampler:
     """An accumulator of kept groups: `add` generation batches while neither `full` nor
-    `bound_reached`, then `take` one train batch of P = train_batch_groups whole groups of G
+    `bound_reached`, then `take` one train batch of P = train_batch_prompts whole groups of G
     rows (B = P x G).
 
     `take()` returns (TrainBatch, stats): groups carried over from the last `take` come first
     (`carried_B` marks them), then this step's in generation order; when the bound was hit
-    first, zero rows with `valid_B` False stand in for the missing groups. filter_groups=False
+    first, zero rows with `valid_B` False stand in for the missing groups. enable=False
     is the GRPO baseline: groups are taken as they come, all-equal ones included.
     """
 
     def __init__(
         self,
-        train_batch_groups: int,
+        train_batch_prompts: int,
         group_size: int,
         max_num_gen_batches: int | None,
         *,
-        filter_groups: bool,
+        enable: bool,
         metric: str,
         carry_over: bool,
         on_exhausted: str,
     ):
         if (
-            train_batch_groups < 1
+            train_batch_prompts < 1
             or group_size < 1
             or (max_num_gen_batches is not None and max_num_gen_batches < 1)
         ):
             raise ValueError(
-                "train_batch_groups, group_size and max_num_gen_batches (None: no bound) must be >= 1"
+                "train_batch_prompts, group_size and max_num_gen_batches (None: no bound) must be >= 1"
             )
         if on_exhausted not in ON_EXHAUSTED:
             raise ValueError(f"on_exhausted must be one of {ON_EXHAUSTED}, got {on_exhausted!r}")
         if metric not in FILTER_METRICS:
             raise ValueError(f"filter metric must be one of {FILTER_METRICS}, got {metric!r}")
-        self._P, self._G = train_batch_groups, group_size  # P groups of G responses
+        self._P, self._G = train_batch_prompts, group_size  # P groups of G responses
         self._max_num_gen_batches = max_num_gen_batches
-        self._filter, self._metric, self._carry_over = filter_groups, metric, carry_over
+        self._filter, self._metric, self._carry_over = enable, metric, carry_over
         self._on_exhausted = on_exhausted
         self._carry: GenerationBatch | None = None  # kept groups not yet trained on
         self._generated: list[GenerationBatch] = []  # this step's generation batches

@@ -91,7 +91,7 @@ def make_optimizer(c: ml_collections.ConfigDict):
     optimizer = train_step.make_optimizer(
         schedule,
         weight_decay=c.optim.weight_decay,
-        max_grad_norm=c.optim.grad_clip,
+        grad_clip=c.optim.grad_clip,
         b1=c.optim.b1,
         b2=c.optim.b2,
         eps=c.optim.eps,

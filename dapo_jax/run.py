@@ -184,7 +184,7 @@ def make_filter(c: ml_collections.ConfigDict) -> dynamic_sampling.DynamicSampler
         c.train.train_batch_prompts,
         c.rollout.group_size,
         c.filter.max_num_gen_batches,
-        filter_groups=c.filter.enable,
+        enable=c.filter.enable,
         metric=c.filter.metric,
         carry_over=c.filter.carry_over,
         on_exhausted=c.filter.on_exhausted,

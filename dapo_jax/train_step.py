@@ -115,14 +115,14 @@ def make_optimizer(
     schedule,
     *,
     weight_decay: float,
-    max_grad_norm: float,
+    grad_clip: float,
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
 ) -> optax.GradientTransformation:
     """Global-norm clipping, then AdamW (decoupled decay on every parameter, as verl's AdamW)."""
     return optax.chain(
-        optax.clip_by_global_norm(max_grad_norm),
+        optax.clip_by_global_norm(grad_clip),
         optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay),
     )
 

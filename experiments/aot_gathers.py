@@ -58,7 +58,7 @@ def main():
     mesh = sharding.make_mesh({"data": 1, "fsdp": -1, "tensor": 8}, devices)
     m = model.Transformer(CFG)
     schedule = ts.learning_rate_schedule(1e-6, 0, "constant")
-    opt = ts.make_optimizer(schedule, weight_decay=0.1, max_grad_norm=1.0)
+    opt = ts.make_optimizer(schedule, weight_decay=0.1, grad_clip=1.0)
     abstract = jax.eval_shape(
         lambda p: ts.TrainState(jnp.zeros((), jnp.int32), p, opt.init(p)), sharding.abstract_params(m)
     )

@@ -70,7 +70,7 @@ def main():
     m = model.Transformer(CFG)
     mesh = sharding.make_mesh({"data": -1}, devices=jax.devices()[:1])
     schedule = ts.learning_rate_schedule(1e-6, 10, "constant")
-    opt = ts.make_optimizer(schedule, weight_decay=0.1, max_grad_norm=1.0)
+    opt = ts.make_optimizer(schedule, weight_decay=0.1, grad_clip=1.0)
     loss_cfg = ts.LossConfig(clip_ratio_c=10.0, temperature=1.0)  # DAPO's loss
     step = ts.make_train_step(m, opt, schedule, loss_cfg, mesh, args.batch)  # one micro-batch
     state = ts.init_train_state(m, opt, mesh, sharding.init_params(m, mesh, jax.random.key(0)))

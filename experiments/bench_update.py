@@ -110,7 +110,7 @@ def make_update(old_logp: str, dtype: str, micro: int, micro_rows: int, mesh, at
     `micro_rows` the rollout packed first (`dapo_jax.packing`)."""
     m = model.Transformer(dataclasses.replace(CFG, dtype=dtype, attention_chunk=attention_chunk))
     schedule = ts.learning_rate_schedule(1e-6, 0, "constant")
-    opt = ts.make_optimizer(schedule, weight_decay=0.1, max_grad_norm=1.0)
+    opt = ts.make_optimizer(schedule, weight_decay=0.1, grad_clip=1.0)
     loss_cfg = ts.LossConfig(clip_ratio_c=10.0, temperature=1.0, old_logp=old_logp)
     rows = micro_rows or ROWS // micro  # padded rows: `micro` micro-batches of the batch
     step = ts.make_train_step(m, opt, schedule, loss_cfg, mesh, rows)

@@ -69,20 +69,20 @@ def fill(sampler, source):
 
 
 def ds(
-    train_batch_groups,
+    train_batch_prompts,
     group_size=G,
     max_num_gen_batches=10,
     *,
-    filter_groups=True,
+    enable=True,
     metric="acc",
     carry_over=False,
     on_exhausted="mask",
 ):
     return DynamicSampler(
-        train_batch_groups,
+        train_batch_prompts,
         group_size,
         max_num_gen_batches,
-        filter_groups=filter_groups,
+        enable=enable,
         metric=metric,
         carry_over=carry_over,
         on_exhausted=on_exhausted,
@@ -211,7 +211,7 @@ def test_bound_hit_masks_missing_groups():
 
 
 def test_no_filter_takes_groups_as_they_come():
-    batch, stats = fill(ds(3, filter_groups=False), scripted(SCRIPT))
+    batch, stats = fill(ds(3, enable=False), scripted(SCRIPT))
     np.testing.assert_array_equal(batch.rows.problem_id_B, [0, 0, 1, 1, 2, 2])
     assert stats["dynamic_sampling/kept_fraction"] == 1.0
     assert stats["dynamic_sampling/all_correct_fraction"] == 0.25

@@ -81,7 +81,7 @@ def test_qwen3_greedy_rollouts_and_a_train_step_on_a_sharded_mesh(qwen3_dir):
     old_logp = np.asarray(logprobs_fn(params, rollout.tokens_BxT, rollout.mask_BxT))
     np.testing.assert_allclose(old_logp[:, 16:], np.asarray(out.logp_BxN), atol=1e-5)
     schedule = ts.learning_rate_schedule(1e-2, 0, "constant")
-    opt = ts.make_optimizer(schedule, weight_decay=0.0, max_grad_norm=1e3)
+    opt = ts.make_optimizer(schedule, weight_decay=0.0, grad_clip=1e3)
     loss = ts.LossConfig(clip_ratio_c=10.0, temperature=1.0)  # DAPO's loss
     step = ts.make_train_step(m, opt, schedule, loss, mesh, 4)
     state = ts.init_train_state(m, opt, mesh, params)

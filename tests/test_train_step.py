@@ -169,7 +169,7 @@ def make_step(mesh, micro_rows=4, m=MODEL):
     # eps = 1 makes Adam's first update ~ lr * g / (|g| + 1): smooth in g, so that float noise
     # in a near-zero gradient cannot flip the sign of an update as g / |g| would.
     schedule = ts.learning_rate_schedule(0.1, 0, "constant")
-    opt = ts.make_optimizer(schedule, weight_decay=0.1, max_grad_norm=1e3, eps=1.0)
+    opt = ts.make_optimizer(schedule, weight_decay=0.1, grad_clip=1e3, eps=1.0)
     return opt, ts.make_train_step(m, opt, schedule, loss_cfg(), mesh, micro_rows)
 
 
@@ -300,7 +300,7 @@ def test_optimizer_clips_the_global_norm_then_applies_adamw():
     grads = {"w": jnp.array([3.0, 4.0])}
     schedule = ts.learning_rate_schedule(1.0, 0, "constant")
     for max_norm, g in ((1.0, np.array([0.6, 0.8])), (10.0, np.array([3.0, 4.0]))):
-        opt = ts.make_optimizer(schedule, weight_decay=0.1, max_grad_norm=max_norm, eps=1.0)
+        opt = ts.make_optimizer(schedule, weight_decay=0.1, grad_clip=max_norm, eps=1.0)
         updates, _ = opt.update(grads, opt.init(params), params)
         np.testing.assert_allclose(updates["w"], -(g / (g + 1) + 0.1 * np.array([1.0, 2.0])), rtol=1e-5)
 
