@@ -86,13 +86,13 @@ def rollout(**values) -> ml_collections.ConfigDict:
         top_p=Spec(float, "(0, 1]"),
         top_k=Spec(int, POSITIVE, none="all tokens"),
         max_new_tokens=Spec(int, POSITIVE),  # L_max
-        micro_batch_prompts=Spec(int, COUNT),  # prompts decoded at once (0: a generation batch)
-        decode_slots=Spec(int, COUNT),  # the engine's rows decoded at once (0: every row)
+        micro_batch_prompts=Spec(int, POSITIVE, none="a generation batch"),  # prompts decoded a call
+        decode_slots=Spec(int, POSITIVE, none="every row"),  # the engine's rows decoded at once
         decode_chunks=Spec(int, POSITIVE),  # the fixed batch's phases (paged=False)
         paged=Spec(bool),  # the engine: continuous batching over a paged KV cache
         page_size=Spec(int, POSITIVE),  # the engine's KV slots per page
-        kv_pages=Spec(int, COUNT),  # the engine's pages per data shard (0: every slot at L_max)
-        tensor_parallel=Spec(int, COUNT),  # the sampler's mesh: data x tensor (0: the trainer's)
+        kv_pages=Spec(int, POSITIVE, none="every slot at L_max"),  # the engine's pages a data shard
+        tensor_parallel=Spec(int, POSITIVE, none="the trainer's mesh"),  # the sampler's: data x tensor
         param_dtype=Spec(str, choices=("float32", "bfloat16"), none="model.param_dtype"),  # its weights
         dtype=Spec(str, choices=("float32", "bfloat16"), none="model.dtype"),  # its compute dtype
     )
@@ -205,7 +205,7 @@ def evaluation(**values) -> ml_collections.ConfigDict:
         top_p=Spec(float, "(0, 1]"),
         max_problems=Spec(int, POSITIVE, none="all"),  # the first this many problems
         batch_prompts=Spec(int, POSITIVE),  # problems per batch (one compiled program)
-        micro_batch_prompts=Spec(int, COUNT),  # prompts decoded at once (0: all eval.batch_prompts)
+        micro_batch_prompts=Spec(int, POSITIVE, none="all eval.batch_prompts"),  # prompts a call
         at_start=Spec(bool),  # also before the first step
     )
 

@@ -44,9 +44,9 @@ class SamplingConfig:
     greedy: bool = False  # argmax instead of sampling (logp still under log_softmax(logits / T))
     decode_chunks: int = 4  # the fixed batch's phases; each attends over the slots filled by its end
     paged: bool = False  # the engine (`engine`): continuous batching over a paged KV cache
-    decode_slots: int = 0  # S: the engine's rows decoded at once (0: all rows)
+    decode_slots: int | None = None  # S: the engine's rows decoded at once (None: all rows)
     page_size: int = 16  # Z: KV slots per page of the engine's pool
-    kv_pages: int = 0  # M: pages of the engine's pool per loop (0: every slot at N tokens)
+    kv_pages: int | None = None  # M: pages of the engine's pool per loop (None: every slot at N tokens)
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -65,16 +65,16 @@ class SamplingConfig:
             raise ValueError(f"top_k must be >= 1 (None: all tokens), got {self.top_k}")
         if self.decode_chunks < 1:
             raise ValueError(f"decode_chunks must be >= 1, got {self.decode_chunks}")
-        if self.decode_slots < 0:
-            raise ValueError(f"decode_slots must be >= 0 (0: every row), got {self.decode_slots}")
+        if self.decode_slots is not None and self.decode_slots < 1:
+            raise ValueError(f"decode_slots must be >= 1 (None: every row), got {self.decode_slots}")
         if self.decode_slots and not self.paged:
             raise ValueError(
                 f"decode_slots {self.decode_slots} sets the engine's slots: set paged=True "
-                "(continuous batching runs on the engine), or decode_slots=0 for a fixed batch"
+                "(continuous batching runs on the engine), or decode_slots=None for a fixed batch"
             )
-        if self.page_size < 1 or self.kv_pages < 0:
+        if self.page_size < 1 or (self.kv_pages is not None and self.kv_pages < 1):
             raise ValueError(
-                f"page_size must be >= 1 and kv_pages >= 0, got {self.page_size}, {self.kv_pages}"
+                f"page_size must be >= 1 and kv_pages >= 1 or None, got {self.page_size}, {self.kv_pages}"
             )
 
 

@@ -53,8 +53,8 @@ class Geometry(NamedTuple):
 
 def geometry(config: decoding.SamplingConfig, prompts: int, group: int, width: int) -> Geometry:
     """The engine's sizes for P = `prompts` of bucket width Q = `width`, G = `group`; M is
-    `config.kv_pages`, or (0) enough for every slot at N tokens and a spare each; at least the prompts' pages,
-    one row's at N tokens and one spare."""
+    `config.kv_pages`, or (None) enough for every slot at N tokens and a spare each; at least
+    the prompts' pages, one row's at N tokens and one spare."""
     z, b = config.page_size, prompts * group
     s = min(config.decode_slots or b, b)
     j, i = -(-(width - 1) // z), -(-(width - 1 + config.max_new_tokens) // z)

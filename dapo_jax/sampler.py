@@ -2,8 +2,8 @@
 loop (the layout, log-probs and randomness both loops share: `decoding`).
 
 Two loops, chosen by `paged`:
-- The engine (`paged`, `engine.py`): continuous batching in S = `decode_slots` slots (0: all
-  rows) over a paged KV cache, a pool of `kv_pages` pages of `page_size` slots, each row
+- The engine (`paged`, `engine.py`): continuous batching in S = `decode_slots` slots (None:
+  all rows) over a paged KV cache, a pool of `kv_pages` pages of `page_size` slots, each row
   attending over only the pages it holds; a prompt's full pages shared by its G rows. A row
   ends, its slot and pages free at once, the next waiting row starts: the loop's steps follow
   the sum of the rows' lengths over S, not the longest. The TPU configs' path.
@@ -88,9 +88,11 @@ class Sampler:
     batch's rows, or with `micro_batch_prompts` that many prompts x G at a time.
     """
 
-    def __init__(self, model: Transformer, config: SamplingConfig, mesh: Mesh, micro_batch_prompts: int = 0):
+    def __init__(
+        self, model: Transformer, config: SamplingConfig, mesh: Mesh, micro_batch_prompts: int | None = None
+    ):
         self.model, self.config, self.mesh = model, config, mesh
-        self.micro_batch_prompts = micro_batch_prompts  # prompts decoded at once (0: all)
+        self.micro_batch_prompts = micro_batch_prompts  # prompts decoded at once (None: all)
         self.num_traces = 0
         self._param_shardings = sharding.param_shardings(model, mesh)
         self._data_size = mesh.shape["data"] * mesh.shape["fsdp"]
@@ -101,7 +103,8 @@ class Sampler:
         if group_size in self._jitted:
             return self._jitted[group_size]
         d = self._data_size
-        config = dataclasses.replace(self.config, decode_slots=self.config.decode_slots // d)  # a shard's
+        slots = self.config.decode_slots and self.config.decode_slots // d  # a shard's
+        config = dataclasses.replace(self.config, decode_slots=slots)
 
         def traced(*args):
             self.num_traces += 1

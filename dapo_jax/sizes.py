@@ -70,9 +70,9 @@ def _error(key: str, value: int, why: str, works: Callable[[int], bool], upper: 
     return ConfigError(f"{key} {value}: {why}; nearest {that}: {' and '.join(map(str, near))}")
 
 
-def batch_axes(mesh: Mapping[str, int], tensor_parallel: int, devices: int) -> BatchAxes:
+def batch_axes(mesh: Mapping[str, int], tensor_parallel: int | None, devices: int) -> BatchAxes:
     """d_t and d_r of a run on `devices` devices with mesh sizes `mesh` (one may be -1) and
-    `rollout.tensor_parallel` (0: the trainer's tensor axis); ConfigError when either mesh does
+    `rollout.tensor_parallel` (None: the trainer's tensor axis); ConfigError when either mesh does
     not fit the devices."""
     try:
         data, fsdp, tensor = mesh_shape(mesh, devices)
@@ -90,9 +90,9 @@ def batch_axes(mesh: Mapping[str, int], tensor_parallel: int, devices: int) -> B
     return BatchAxes(devices, data * fsdp, devices // tp)
 
 
-def check_decode_slots(slots: int, devices: int) -> None:
-    """`rollout.decode_slots` S (0: every row) splits over the sampler's d_r shards."""
-    if slots % devices:
+def check_decode_slots(slots: int | None, devices: int) -> None:
+    """`rollout.decode_slots` S (None: every row) splits over the sampler's d_r shards."""
+    if slots and slots % devices:
         raise _error(
             "rollout.decode_slots",
             slots,
@@ -129,7 +129,7 @@ def check_kv_pages(c, devices: int) -> None:
             f"rollout.kv_pages {c.rollout.kv_pages}: {what} loop holds its {p} prompts' pages "
             f"({-(-(width - 1) // z)} each of {z} slots at up to {width} tokens), one row's "
             f"{-(-(width - 1 + n_new) // z)} at {n_new} new tokens and a spare; set it to at least "
-            f"{need} (0: every slot at max_new_tokens)"
+            f"{need} (None: every slot at max_new_tokens)"
         )
 
 
@@ -184,7 +184,7 @@ def check_batch_sizes(c, devices: int) -> BatchAxes:
     if c.rollout.decode_slots and not c.rollout.paged:
         raise ConfigError(
             f"rollout.decode_slots {c.rollout.decode_slots} sets the engine's slots, which "
-            "rollout.paged = False does not run: set rollout.paged = True, or rollout.decode_slots = 0 "
+            "rollout.paged = False does not run: set rollout.paged = True, or rollout.decode_slots = None "
             "for a fixed batch"
         )
     check_decode_slots(c.rollout.decode_slots, axes.rollout)

@@ -94,10 +94,10 @@ def test_a_loop_per_data_shard_with_tensor_parallel_inside_equals_one_device(qwe
 
 @pytest.mark.parametrize(
     "prompts, group, slots, want",
-    [(192, 16, 64, 4), (6, 4, 16, 3), (5, 3, 4, 1), (5, 3, 0, 5), (7, 2, 6, 1), (4, 4, 8, 2)],
+    [(192, 16, 64, 4), (6, 4, 16, 3), (5, 3, 4, 1), (5, 3, None, 5), (7, 2, 6, 1), (4, 4, 8, 2)],
 )
 def test_prefill_chunks_are_the_prompts_that_fill_the_slots(prompts, group, slots, want):
-    """The prefill's chunk by hand: the largest divisor of P up to ceil(S / G) (S = 0: every row),
+    """The prefill's chunk by hand: the largest divisor of P up to ceil(S / G) (S None: every row),
     e.g. 192 prompts of G = 16 in 64 slots: 4 a chunk; 6 prompts of 4 in 16 slots: 3 (4 does not
     divide 6); 7 prompts, 3 wanted: 1."""
     cfg = _config(max_new_tokens=8, paged=True, decode_slots=slots, page_size=4)

@@ -83,7 +83,7 @@ def test_eval_decodes_in_its_own_micro_batches():
         head_dim=4,
     )
     p = programs.build(c, cfg, (1,), 0)
-    assert p.eval_sampler.micro_batch_prompts == 2 and p.sampler.micro_batch_prompts == 0
+    assert p.eval_sampler.micro_batch_prompts == 2 and p.sampler.micro_batch_prompts is None
     s = programs.program_sizes(c)
     assert (s.eval_prompts, s.eval_samples, s.rollout_prompts, s.group) == (2, 4, 64, 8)
     c.eval.micro_batch_prompts = 3

@@ -264,7 +264,7 @@ def test_rollout_micro_batches_leave_rollouts_unchanged(qwen2, single):
     np.testing.assert_allclose(split.logp_BxN, whole.logp_BxN, atol=1e-5)
 
 
-@pytest.mark.parametrize("paged,slots", [(False, 0), (True, 8)])
+@pytest.mark.parametrize("paged,slots", [(False, None), (True, 8)])
 def test_a_loop_per_device_equals_one_device(qwen2_dir, qwen2, single, paged, slots):
     """On a data-only mesh of 4 devices, a loop per device (`shard_map`, no collective in the
     program; 6 prompts filled up to 8): every row gets the tokens, lengths and log-probs of one
@@ -297,8 +297,8 @@ def test_a_loop_per_device_equals_one_device(qwen2_dir, qwen2, single, paged, sl
 
 def test_decode_slots_are_checked(qwen2):
     m, _ = qwen2
-    with pytest.raises(ValueError, match="decode_slots must be >= 0"):
-        _config(paged=True, decode_slots=-1)
+    with pytest.raises(ValueError, match=r"decode_slots must be >= 1 \(None: every row\), got 0"):
+        _config(paged=True, decode_slots=0)
     with pytest.raises(ValueError, match="decode_slots 4 sets the engine's slots: set paged=True"):
         _config(decode_slots=4)
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})

@@ -84,7 +84,7 @@ def test_pad_rows_and_nearest_by_hand():
         (
             {"rollout.decode_slots": 4},
             "rollout.decode_slots 4 sets the engine's slots, which rollout.paged = False does not run: "
-            "set rollout.paged = True, or rollout.decode_slots = 0 for a fixed batch",
+            "set rollout.paged = True, or rollout.decode_slots = None for a fixed batch",
         ),
     ],
 )
@@ -152,12 +152,12 @@ def one_device_rows(qwen2_dir):
 @pytest.mark.parametrize(
     "mesh_sizes,micro,slots,paged",
     [
-        ({"data": 2}, 0, 0, False),  # a loop per device: 5 prompts filled to 6
+        ({"data": 2}, None, None, False),  # a loop per device: 5 prompts filled to 6
         # rollout micro-batches of 3 + 2 prompts, each filled to 4 and 2
-        pytest.param({"data": 2}, 3, 0, False, marks=pytest.mark.slow),
-        pytest.param({"data": 2}, 0, 2, True, marks=pytest.mark.slow),  # the engine, a slot a shard
+        pytest.param({"data": 2}, 3, None, False, marks=pytest.mark.slow),
+        pytest.param({"data": 2}, None, 2, True, marks=pytest.mark.slow),  # the engine, a slot a shard
         # one loop over a data x tensor mesh: 5 prompts filled to 6
-        pytest.param({"data": 2, "tensor": 2}, 0, 0, False, marks=pytest.mark.slow),
+        pytest.param({"data": 2, "tensor": 2}, None, None, False, marks=pytest.mark.slow),
     ],
 )
 def test_odd_prompts_and_samples_are_padded_exactly(
