@@ -97,7 +97,7 @@ def test_resume_after_sigkill_and_sigterm_equals_uninterrupted_run(tmp_path):
             "data file '/no/such/train.parquet' does not exist",
         ),
         ("--config.model.path=/no/such/model", "'/no/such/model/config.json' does not exist"),
-        ("--config.train.steps=-3", "train.steps must be in [1, inf), got -3"),
+        ("--config.train.steps=-3", "train.steps must be an int in [1, inf), got -3"),
         (  # the tests' 8 devices
             "--config.train.micro_batch_size=24",
             "train.micro_batch_size 24: a mini-batch of 8 prompts x G=8 = 64 rows splits into micro-batches "
