@@ -77,6 +77,10 @@ class SamplingConfig:
                 f"page_size must be >= 1 and kv_pages >= 1 or None, got {self.page_size}, {self.kv_pages}"
             )
 
+    def for_shard(self, shards: int) -> SamplingConfig:
+        """The config one of `shards` data shards runs: its S / d of the engine's slots."""
+        return dataclasses.replace(self, decode_slots=self.decode_slots and self.decode_slots // shards)
+
 
 def prefill(model: Transformer, params, tokens_PxT, mask_PxT, cache_len: int):
     """Fresh caches of `cache_len` slots holding the keys/values of the T prompt tokens at slots

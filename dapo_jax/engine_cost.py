@@ -93,8 +93,7 @@ def shard(p: programs.Programs, c) -> Shard:
     `rollout.paged`: a loop per shard on its P / d prompts and decode_slots / d slots)."""
     s, mesh = programs.program_sizes(c), p.rollout_mesh
     d = mesh.shape["data"] * mesh.shape["fsdp"]
-    slots = p.sampler.config.decode_slots
-    config = dataclasses.replace(p.sampler.config, paged=True, decode_slots=slots and slots // d)
+    config = dataclasses.replace(p.sampler.config.for_shard(d), paged=True)
     prompts = sizes.padded_count(s.rollout_prompts, d) // d
     return Shard(config, engine.geometry(config, prompts, s.group, s.prompt_len), prompts, d)
 

@@ -25,8 +25,6 @@ or the slots a row is given (to float rounding of the attention sums, ~1e-7).
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -103,8 +101,7 @@ class Sampler:
         if group_size in self._jitted:
             return self._jitted[group_size]
         d = self._data_size
-        slots = self.config.decode_slots and self.config.decode_slots // d  # a shard's
-        config = dataclasses.replace(self.config, decode_slots=slots)
+        config = self.config.for_shard(d)
 
         def traced(*args):
             self.num_traces += 1

@@ -330,3 +330,9 @@ def test_transposed_keys_leave_rollouts_unchanged(qwen2_dir, single, scan_layers
         for k in ("tokens_BxN", "length_B", "truncated_B"):
             np.testing.assert_array_equal(getattr(transposed, k), getattr(plain, k))
         np.testing.assert_allclose(transposed.logp_BxN, plain.logp_BxN, atol=1e-5)
+
+
+def test_a_shard_runs_its_share_of_the_engines_slots():
+    """512 slots over 8 data shards: 64 a shard's loop (the 32B config's); None (every row) stays None."""
+    assert _config(paged=True, decode_slots=512).for_shard(8).decode_slots == 64
+    assert _config(paged=True).for_shard(8).decode_slots is None
