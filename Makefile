@@ -17,7 +17,7 @@ $(VENV)/.installed: setup.py
 	touch $@
 
 demo: venv
-	$(PY) -m dapo_jax.train --config=configs/dapo.py:tiny --workdir=runs/demo
+	JAX_NUM_CPU_DEVICES=2 $(PY) -m dapo_jax.train --config=configs/dapo.py:tiny --workdir=runs/demo
 
 test: venv
 	$(VENV)/bin/ruff check .

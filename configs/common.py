@@ -23,16 +23,10 @@ POSITIVE, COUNT = "[1, inf)", "[0, inf)"
 
 
 def root(**values) -> ml_collections.ConfigDict:
-    """The config's top-level keys; the sections are set on it."""
-    return section(
-        values,
-        seed=Spec(int, COUNT),
-        # XLA:CPU devices a host's CPU is split into (dapo_jax.sharding.use_cpu_devices)
-        cpu_devices=Spec(int, POSITIVE, none="JAX's one"),
-        # Compiled programs kept across relaunches and hosts (a gs:// folder is shared by every
-        # host of a slice)
-        compilation_cache_dir=Spec(str, none="<workdir>/compilation_cache, or JAX_COMPILATION_CACHE_DIR"),
-    )
+    """The config's top-level keys; the sections are set on it. What the machine decides is the
+    launch environment's: JAX_NUM_CPU_DEVICES (a CPU-only host split into XLA devices) and
+    JAX_COMPILATION_CACHE_DIR (default `<workdir>/compilation_cache`: dapo_jax.run)."""
+    return section(values, seed=Spec(int, COUNT))
 
 
 def model(**values) -> ml_collections.ConfigDict:
@@ -191,7 +185,6 @@ def checkpoint(**values) -> ml_collections.ConfigDict:
         # preemption loses little of a long step
         every_minutes=Spec(float, "(0, inf)", none="off"),
         keep=Spec(int, POSITIVE),
-        asynchronous=Spec(bool),
     )
 
 

@@ -23,9 +23,7 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
 
 def qwen2_5_32b() -> ml_collections.ConfigDict:
     """The official 32B run (docs/dapo_spec.md section 8): 512 prompts x G=16, 16 updates per step."""
-    # Compiled programs in <workdir>/compilation_cache, or the environment's JAX_COMPILATION_CACHE_DIR
-    # (a gs:// folder in compilation_cache_dir is shared by every host of a slice)
-    c = common.root(seed=0, cpu_devices=None, compilation_cache_dir=None)
+    c = common.root(seed=0)
     c.model = common.model(
         path="/ckpt/Qwen2.5-32B",
         tokenizer_path=None,
@@ -98,7 +96,7 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
     )
     # every: steps between checkpoints; every_minutes: also after a step when that much wall clock
     # has passed since the last one (None: off), so that a preemption loses little of a long step
-    c.checkpoint = common.checkpoint(every=10, every_minutes=30.0, keep=3, asynchronous=True)
+    c.checkpoint = common.checkpoint(every=10, every_minutes=30.0, keep=3)
     c.eval = common.evaluation(
         every=20,
         samples=32,
@@ -161,10 +159,10 @@ def qwen3_8b() -> ml_collections.ConfigDict:
 
 
 def tiny() -> ml_collections.ConfigDict:
-    """CPU scale: the shipped tiny base model on the shipped synthetic task, a few minutes."""
-    # The 2-core CPU as 2 XLA devices, the data axis across them (sharding.use_cpu_devices): the
-    # faster step here (experiments/README.md). Compiled programs in <workdir>/compilation_cache.
-    c = common.root(seed=0, cpu_devices=2, compilation_cache_dir=None)
+    """CPU scale: the shipped tiny base model on the shipped synthetic task, a few minutes. `make
+    demo` runs it with JAX_NUM_CPU_DEVICES=2: the 2-core CPU as 2 XLA devices, the data axis
+    across them, the faster step here (experiments/README.md)."""
+    c = common.root(seed=0)
     c.model = common.model(
         path=common.TINY_MODEL,
         tokenizer_path=None,
@@ -233,7 +231,7 @@ def tiny() -> ml_collections.ConfigDict:
         length_bucket=16,  # train on responses cut to a multiple of this length
         max_consecutive_nonfinite=5,  # stop (with a checkpoint) after this many skipped updates
     )
-    c.checkpoint = common.checkpoint(every=5, every_minutes=30.0, keep=3, asynchronous=True)
+    c.checkpoint = common.checkpoint(every=5, every_minutes=30.0, keep=3)
     # Held-out at T = 1, top_p = 1 (the paper validates at top_p 0.7): the policy as it samples,
     # so the demo's before and after measure what RL trains.
     c.eval = common.evaluation(

@@ -36,7 +36,6 @@ class Checkpointer:
         workdir: str,
         *,
         keep: int = 3,
-        asynchronous: bool = True,
         directory: str | None = None,
         read_only: bool = False,
     ):
@@ -50,7 +49,7 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None if read_only else keep,
             create=not read_only,
-            enable_async_checkpointing=asynchronous,
+            enable_async_checkpointing=True,
             cleanup_tmp_directories=not read_only,
             read_only=read_only,
             save_interval_steps=0 if read_only else 1,

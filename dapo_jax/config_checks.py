@@ -18,7 +18,6 @@ from dapo_jax import (
     metrics,
     programs,
     rewards,
-    sharding,
     sizes,
 )
 from dapo_jax.errors import ConfigError
@@ -45,7 +44,7 @@ def check_workdir(workdir: str) -> None:
 def check_config(c: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
     """One-line errors for out-of-range values, missing paths, bad data files and inconsistent
     sizes, before any compilation. The batch sizes are checked against `num_devices` devices
-    (default: this run's, after `c.cpu_devices` has split a CPU-only host)."""
+    (default: this run's)."""
     check_ranges(c)
     _check_paths(c)
     _check_sizes(c, num_devices)
@@ -109,7 +108,6 @@ def _check_sizes(c: ml_collections.ConfigDict, num_devices: int | None) -> None:
             f"rollout.max_new_tokens {c.rollout.max_new_tokens}"
         )
     if num_devices is None:
-        sharding.use_cpu_devices(c.cpu_devices)
         num_devices = jax.device_count()
     sizes.check_batch_sizes(c, num_devices)
 

@@ -22,7 +22,7 @@ import os
 import jax
 from absl import flags
 
-from dapo_jax import checkpoint, cli, hub, paths, sharding, train
+from dapo_jax import checkpoint, cli, hub, paths, train
 from dapo_jax.config_checks import check_config
 from dapo_jax.errors import ConfigError, one_line_errors
 from dapo_jax.run import Run, build
@@ -48,7 +48,6 @@ def restore(c, workdir: str, step: int | None = None) -> tuple[Run, TrainState, 
     directory = paths.run_path(workdir) / "checkpoints"
     if not directory.is_dir():
         raise ConfigError(f"workdir {workdir!r} has no checkpoints ({directory} does not exist)")
-    sharding.use_cpu_devices(c.cpu_devices)  # before orbax starts JAX: the run's mesh in `build`
     ckpt = checkpoint.Checkpointer(workdir, read_only=True)  # the run may still be saving
     try:
         steps = ckpt.agreed_steps()  # every process of a --multihost export the same step

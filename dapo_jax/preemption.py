@@ -51,7 +51,7 @@ def noticed() -> bool:
 
 def _process() -> tuple[int, int]:
     """(this process's index, the process count) as jax.distributed.initialize set them, read
-    without starting JAX's backends (which `sharding.use_cpu_devices` must precede)."""
+    without starting JAX's backends."""
     return distributed.global_state.process_id, distributed.global_state.num_processes
 
 

@@ -26,7 +26,6 @@ from dapo_jax import (
     programs,
     rewards,
     rollout,
-    sharding,
     train_step,
 )
 from dapo_jax.errors import ConfigError
@@ -111,16 +110,12 @@ def model_numerics(c: ml_collections.ConfigDict) -> dict:
     return {k: v for k, v in c.model.items() if k not in _MODEL_FOLDERS}
 
 
-def use_compilation_cache(c: ml_collections.ConfigDict, workdir: str) -> str:
-    """Keep every compiled program in `compilation_cache_dir` (default `<workdir>/compilation_cache`;
-    an environment's JAX_COMPILATION_CACHE_DIR stands in for the default), however fast it
-    compiled, so that a relaunch or another host reads it back instead of compiling it again.
-    Set before anything compiles; returns the folder."""
-    path = (
-        c.compilation_cache_dir
-        or os.environ.get("JAX_COMPILATION_CACHE_DIR")
-        or str(paths.run_path(workdir) / "compilation_cache")
-    )
+def use_compilation_cache(workdir: str) -> str:
+    """Keep every compiled program in `<workdir>/compilation_cache` (the environment's
+    JAX_COMPILATION_CACHE_DIR instead where it is set; a gs:// folder is shared by every host of a
+    slice), however fast it compiled, so that a relaunch or another host reads it back instead
+    of compiling it again. Set before anything compiles; returns the folder."""
+    path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(paths.run_path(workdir) / "compilation_cache")
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     logging.info("compilation cache: %s", path)
@@ -128,10 +123,9 @@ def use_compilation_cache(c: ml_collections.ConfigDict, workdir: str) -> str:
 
 
 def build(c: ml_collections.ConfigDict, workdir: str) -> Run:
-    """The mesh (over `c.cpu_devices` XLA devices on a CPU-only host: `sharding.use_cpu_devices`),
-    model, tokenizer, data, samplers, compiled steps (`programs.build`) and reward workers."""
-    use_compilation_cache(c, workdir)
-    sharding.use_cpu_devices(c.cpu_devices)
+    """The mesh, model, tokenizer, data, samplers, compiled steps (`programs.build`) and reward
+    workers."""
+    use_compilation_cache(workdir)
     if jax.devices()[0].platform == "cpu":
         host_memory.tune_for_xla_cpu()
     numerics = model_numerics(c)

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from collections.abc import Mapping
 
 import flax.linen as nn
 import jax
 import numpy as np
-from absl import logging
 from jax.experimental import mesh_utils, multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
@@ -34,31 +32,6 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("head_dim", None),  # Qwen3's q/k norm scales: one head's width, replicated
     ("layers", None),  # the stacked layer axis of a scanned model: every layer on every shard
 )
-
-
-def use_cpu_devices(n: int | None) -> None:
-    """Split this host's CPU into `n` XLA devices (`jax_num_cpu_devices`; None keeps JAX's one).
-
-    On a machine without an accelerator the mesh's data axis then runs a shard of the batch on
-    each device at once, one core each, where one device leaves the cores to XLA:CPU's
-    intra-op threads, which the many small kernels of a small model's decode step and backward
-    pass keep half idle. It takes effect only before JAX starts its backends, and yields to
-    `--xla_force_host_platform_device_count` in XLA_FLAGS (the tests' fake meshes, a launcher's
-    choice); either way the devices JAX has are kept, and said so."""
-    if n is None:
-        return
-    from jax._src import xla_bridge  # noqa: PLC0415 - no public API says whether JAX has started
-
-    if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
-        logging.info("cpu_devices %d: XLA_FLAGS sets the CPU device count, which is kept", n)
-    elif xla_bridge.backends_are_initialized():
-        started = jax.local_device_count("cpu")
-        if started != n:
-            logging.warning(
-                "cpu_devices %d not applied: JAX started with %d CPU devices before the run did", n, started
-            )
-    else:
-        jax.config.update("jax_num_cpu_devices", n)
 
 
 def loop_per_data_shard(loop, mesh: Mesh):

@@ -282,9 +282,7 @@ def train(c: ml_collections.ConfigDict, workdir: str, checkpoint_dir: str | None
     watcher = preemption.Preemption(before_exit)
     try:
         run = build(c, workdir)
-        ckpt = checkpoint.Checkpointer(
-            workdir, keep=c.checkpoint.keep, directory=checkpoint_dir, asynchronous=c.checkpoint.asynchronous
-        )
+        ckpt = checkpoint.Checkpointer(workdir, keep=c.checkpoint.keep, directory=checkpoint_dir)
         before_exit.append(ckpt.wait)  # a save in flight completes, where it can in the grace time
         try:
             return _train(run, ckpt)

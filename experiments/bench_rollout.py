@@ -149,7 +149,7 @@ def samplers(args, config, cfg, tokens, mask):
 
 def main():
     args = _args()
-    sharding.use_cpu_devices(max(args.devices))
+    jax.config.update("jax_num_cpu_devices", max(args.devices))
     vocab = args.vocab or workload.HF_CONFIG["vocab_size"]
     config = hf_model_config.config_from_hf({**workload.HF_CONFIG, "vocab_size": vocab}, dtype="float32")
     tokens, mask = prompts(args.prompts, args.prompt, vocab)

@@ -71,14 +71,14 @@ def test_a_damaged_latest_checkpoint_is_skipped_and_temporary_folders_cleaned(tm
     abstract = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), _state(mesh, 0)
     )
-    first = checkpoint.Checkpointer(str(tmp_path), keep=3, asynchronous=False)
+    first = checkpoint.Checkpointer(str(tmp_path), keep=3)
     for step in (1, 2):
         first.save(step, _state(mesh, step), {"n": np.int64(step)})
     first.close()
     leftover = tmp_path / "checkpoints" / "3.orbax-checkpoint-tmp-1700000000"
     leftover.mkdir()
     _truncate_files(tmp_path / "checkpoints" / "2")
-    ckpt = checkpoint.Checkpointer(str(tmp_path), keep=3, asynchronous=False)
+    ckpt = checkpoint.Checkpointer(str(tmp_path), keep=3)
     with caplog.at_level(logging.WARNING):
         step, state, host = ckpt.restore_latest(abstract)
     assert (step, int(host["n"])) == (1, 1)
@@ -98,10 +98,11 @@ def test_no_checkpoint_that_restores_is_one_error_naming_each(tmp_path):
     abstract = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), _state(mesh, 0)
     )
-    ckpt = checkpoint.Checkpointer(str(tmp_path), asynchronous=False)
+    ckpt = checkpoint.Checkpointer(str(tmp_path))
     assert ckpt.restore_latest(abstract) is None  # an empty folder: a fresh start
     for step in (1, 2):
         ckpt.save(step, _state(mesh, step), {"n": np.int64(step)})
+        ckpt.wait()
         _truncate_files(tmp_path / "checkpoints" / str(step))
     with pytest.raises(CheckpointError, match=r"^no checkpoint in .* restores: 2 \(.*\); 1 \("):
         ckpt.restore_latest(abstract)
@@ -113,9 +114,10 @@ def _two_saved(tmp_path):
     abstract = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), _state(mesh, 0)
     )
-    ckpt = checkpoint.Checkpointer(str(tmp_path), asynchronous=False)
+    ckpt = checkpoint.Checkpointer(str(tmp_path))
     for step in (1, 2):
         ckpt.save(step, _state(mesh, step), {"n": np.int64(step)})
+    ckpt.wait()
     return ckpt, abstract
 
 
@@ -173,8 +175,9 @@ def test_a_filter_carry_with_predictions_round_trips_through_orbax(tmp_path):
     sampler = ds(1, carry_over=True)
     sampler.add(gen_batch([True, False, False, True, True, False], problem_id_B=[0, 0, 1, 1, 2, 2]))
     sampler.take()  # groups 1 and 2 are carried
-    ckpt = checkpoint.Checkpointer(str(tmp_path), asynchronous=False)
+    ckpt = checkpoint.Checkpointer(str(tmp_path))
     ckpt.save(1, _state(mesh, 1), {"filter": sampler.state()})
+    ckpt.wait()
     abstract = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), _state(mesh, 0)
     )

@@ -84,7 +84,7 @@ def test_a_tiny_run_in_a_gs_workdir_writes_and_reads_back_through_the_path_layer
             super().__init__(str(tmp_path / "checkpoint-store"), **kwargs)
 
     monkeypatch.setattr(train.checkpoint, "Checkpointer", LocalCheckpointer)
-    config = small(dapo.get_config("tiny"), train__steps=2, checkpoint__asynchronous=False)
+    config = small(dapo.get_config("tiny"), train__steps=2)
     train.train(config, URL)
     config.train.steps = 3
     train.train(config, URL)  # resumes from step 2, rereads the metrics file on the fake GCS

@@ -1,8 +1,5 @@
 """The mesh, the logical-axis rules, and sharded == unsharded on eight fake devices."""
 
-import os
-import subprocess
-import sys
 from typing import NamedTuple
 
 import jax
@@ -21,27 +18,6 @@ def test_mesh_shape_resolves_the_rest():
         sharding.mesh_shape({"data": 2, "tensor": 2}, 8)
     with pytest.raises(ValueError, match="not known"):
         sharding.mesh_shape({"model": 2}, 8)
-
-
-def _cpu_devices_after(code: str, xla_flags: str) -> list[str]:
-    env = {**os.environ, "XLA_FLAGS": xla_flags, "JAX_PLATFORMS": "cpu"}
-    prelude = "import jax; from dapo_jax import sharding; "
-    out = subprocess.run([sys.executable, "-c", prelude + code], env=env, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    return out.stdout.split() + [line for line in out.stderr.splitlines() if "cpu_devices" in line]
-
-
-def test_cpu_devices_split_the_host_before_jax_starts_and_yield_to_xla_flags():
-    code = (
-        "sharding.use_cpu_devices(2); print(jax.local_device_count()); "
-        "sharding.use_cpu_devices(3); print(jax.local_device_count())"
-    )
-    out = _cpu_devices_after(code, "")
-    assert out[:2] == ["2", "2"]  # the second call comes after JAX started: kept, and said so
-    assert "cpu_devices 3 not applied: JAX started with 2 CPU devices" in out[2]
-    code = "sharding.use_cpu_devices(2); print(jax.local_device_count())"
-    assert _cpu_devices_after(code, "--xla_force_host_platform_device_count=3")[0] == "3"
-    assert _cpu_devices_after("sharding.use_cpu_devices(None); print(jax.local_device_count())", "") == ["1"]
 
 
 def test_sharded_forward_equals_single_device(qwen2_dir):

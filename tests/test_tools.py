@@ -29,7 +29,7 @@ HAVE_WANDB = importlib.util.find_spec("wandb") is not None
 
 
 def _config(**overrides):
-    return small(dapo.get_config("tiny"), checkpoint__asynchronous=False, **overrides)
+    return small(dapo.get_config("tiny"), **overrides)
 
 
 # A user's reward: a constant score (so that the run's mean score shows it was used), correct

@@ -124,7 +124,7 @@ def test_bad_config_is_one_line_before_compiling(flag, message, tmp_path):
 
 @pytest.mark.slow
 def test_a_damaged_latest_checkpoint_is_skipped_and_every_step_logged_once(tmp_path, capsys, caplog):
-    config = small(dapo.get_config("tiny"), train__steps=2, checkpoint__asynchronous=False)
+    config = small(dapo.get_config("tiny"), train__steps=2)
     workdir = str(tmp_path)
     train.train(config, workdir)
     assert checkpoint.Checkpointer(workdir).all_steps() == [1, 2]

@@ -13,6 +13,8 @@ import sys
 import tempfile
 import time
 
+# The tiny config as `make demo` runs it: the 2-core CPU as 2 XLA devices (before JAX starts)
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "2")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import workload  # noqa: E402
 
@@ -64,7 +66,7 @@ def config(spec: dict, data_file: str):
         # accumulation, still one update
         micro_batch_size=math.gcd(c.train.micro_batch_size, n * g),
     )
-    c.checkpoint.update(every=10_000, asynchronous=False)
+    c.checkpoint.update(every=10_000)
     c.eval.update(every=None, at_start=False)
     c.metrics.update(writers="jsonl", completions_every=None)
     c.seed = spec["seed"]
