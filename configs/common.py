@@ -5,6 +5,7 @@ variant gives each section's values by keyword."""
 
 import ml_collections
 
+from dapo_jax import model as model_lib
 from dapo_jax import objective, rollout_correction, train_step
 from dapo_jax.config_schema import Spec, section
 from dapo_jax.data import DEFAULT_TEMPLATE
@@ -37,8 +38,9 @@ def model(**values) -> ml_collections.ConfigDict:
         tokenizer_path=Spec(str, none="model.path's"),
         dtype=Spec(str),  # compute dtype
         param_dtype=Spec(str),
-        remat=Spec(bool),  # rematerialise each decoder layer in the backward pass
-        remat_policy=Spec(str),  # a jax.checkpoint_policies name: what remat keeps
+        # each decoder layer rematerialised in the backward pass, keeping what this
+        # jax.checkpoint_policies policy saves
+        remat=Spec(str, choices=model_lib.REMAT_POLICIES, none="off"),
         # queries per block of the trainer's attention
         attention_chunk=Spec(int, POSITIVE, none="all at once"),
         scan_layers=Spec(bool),  # one compiled layer body (nn.scan)

@@ -29,8 +29,7 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
         tokenizer_path=None,
         dtype="bfloat16",
         param_dtype="float32",
-        remat=True,
-        remat_policy="nothing_saveable",
+        remat="nothing_saveable",  # each layer's input kept, the rest recomputed
         attention_chunk=1024,  # a layer's scores at 20k tokens: 1024 x 20k, not 20k^2
         scan_layers=True,  # one compiled layer body: 64 layers compile as one
         logits_chunk=2048,
@@ -168,8 +167,7 @@ def tiny() -> ml_collections.ConfigDict:
         tokenizer_path=None,
         dtype="float32",
         param_dtype="float32",
-        remat=False,
-        remat_policy="nothing_saveable",
+        remat=None,
         # Blocks of 64 queries, each reading its causal prefix of keys (no remat): the faster
         # update on this CPU (experiments/README.md).
         attention_chunk=64,

@@ -21,7 +21,7 @@ def _decode_step_bytes(cfg: model.ModelConfig, mesh, rows: int, slots: int, dtyp
     step at 1 and 2 scanned layers, extrapolated linearly to `cfg.num_layers`."""
     measured = []
     for layers in (1, 2):
-        m = model.Transformer(dataclasses.replace(cfg, num_layers=layers, scan_layers=True, remat=False))
+        m = model.Transformer(dataclasses.replace(cfg, num_layers=layers, scan_layers=True, remat=None))
         rep = sharding.replicated(mesh)
         cache_sh = jax.tree.map(
             lambda axes: sharding.logical_to_sharding(jax.sharding.PartitionSpec("layers", *axes), mesh),

@@ -49,11 +49,6 @@ def check_config(c: ml_collections.ConfigDict, num_devices: int | None = None) -
     _check_paths(c)
     _check_sizes(c, num_devices)
     _check_micro_batches(c)
-    if not hasattr(jax.checkpoint_policies, c.model.remat_policy):
-        raise ConfigError(
-            f"model.remat_policy {c.model.remat_policy!r} is not a "
-            "jax.checkpoint_policies name (e.g. nothing_saveable)"
-        )
     _check_old_logp(c)
     for section, make in (
         ("loss", lambda: programs.loss_config(c)),

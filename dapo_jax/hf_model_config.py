@@ -135,7 +135,7 @@ def config_from_hf(
     *,
     dtype="bfloat16",
     param_dtype="float32",
-    remat=False,
+    remat=None,
     attention_chunk=None,
     source="config.json",
     **numerics,
@@ -181,7 +181,7 @@ def config_from_hf(
         param_dtype=param_dtype,
         remat=remat,
         attention_chunk=attention_chunk,
-        **numerics,  # remat_policy, scan_layers, logits_chunk
+        **numerics,  # scan_layers, logits_chunk, transposed_keys
     )
 
 

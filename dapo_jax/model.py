@@ -33,6 +33,14 @@ from dapo_jax.paged_attention import PageRefs
 from dapo_jax.segment_attention import SegmentIds, blocked_attention, splash_attention
 
 _NEG_INF = -1e30  # finite, so that a fully masked (padding) query row stays NaN-free
+# The jax.checkpoint_policies names that are policies themselves, not factories of one
+# (checkpoint_dots and checkpoint_dots_with_no_batch_dims are aliases of two of them)
+REMAT_POLICIES = (
+    "nothing_saveable",
+    "dots_with_no_batch_dims_saveable",
+    "dots_saveable",
+    "everything_saveable",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +63,9 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     dtype: str = "bfloat16"  # compute dtype
     param_dtype: str = "float32"
-    remat: bool = False  # rematerialise each decoder layer in the backward pass
-    remat_policy: str = "nothing_saveable"  # a jax.checkpoint_policies name: what remat keeps
+    # each decoder layer rematerialised in the backward pass, keeping what this jax.checkpoint_policies
+    # policy saves (one of REMAT_POLICIES); None: no rematerialisation
+    remat: str | None = None
     attention_chunk: int | None = None  # queries per block of multi-token attention (None: all); in the
     # trainer, memory-bounded with remat, else about half the scores skipped (`chunked_attention`)
     scan_layers: bool = False  # one compiled layer body (nn.scan), params stacked on "layers"
@@ -398,7 +407,7 @@ class Attention(nn.Module):
             kT_BxKxExT = k_BxKxTxE.swapaxes(2, 3)
             # memory first with remat (one block at a time), else fewer FLOPs (causal prefixes)
             out = chunked_attention(
-                q_BxTxKxRxE, kT_BxKxExT, v_BxKxTxE, attn_BxTxS, dtype, chunk, causal_prefix=not c.remat
+                q_BxTxKxRxE, kT_BxKxExT, v_BxKxTxE, attn_BxTxS, dtype, chunk, causal_prefix=c.remat is None
             )
         elif isinstance(cache_index_B, PageRefs):  # paged decode step: one token, a pool of pages
             out, cache = paged_attention.decode_step(
@@ -463,14 +472,11 @@ class DecoderLayer(nn.Module):
 
 
 def _layer_class(c: ModelConfig):
-    if not c.remat:
+    if c.remat is None:
         return DecoderLayer
-    policy = getattr(jax.checkpoint_policies, c.remat_policy, None)
-    if policy is None:
-        raise ValueError(
-            f"remat_policy {c.remat_policy!r} is not a jax.checkpoint_policies name "
-            "(e.g. nothing_saveable, dots_with_no_batch_dims_saveable)"
-        )
+    if c.remat not in REMAT_POLICIES:
+        raise ValueError(f"remat {c.remat!r} is not one of the jax.checkpoint_policies {REMAT_POLICIES}")
+    policy = getattr(jax.checkpoint_policies, c.remat)
     return nn.remat(DecoderLayer, policy=policy, prevent_cse=not c.scan_layers)
 
 

@@ -138,7 +138,7 @@ def rollout_layout(c: ml_collections.ConfigDict, m: model.Transformer, mesh: Mes
         return (m if config == m.config else model.Transformer(config)), mesh, None
     tp = c.rollout.tensor_parallel or mesh.shape["tensor"]
     rollout_mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": tp}, mesh.devices.flat)
-    rollout_model = model.Transformer(dataclasses.replace(config, remat=False))
+    rollout_model = model.Transformer(dataclasses.replace(config, remat=None))
     shardings = sharding.param_shardings(m, mesh)
     weight_dtype = rollout_model.config.weight_dtype
     cast = jax.jit(

@@ -52,6 +52,12 @@ def test_shipped_configs_are_in_range(variant):
             "crash",
             "filter.on_exhausted must be one of ('mask', 'raise'), got 'crash'",
         ),
+        (  # a policy factory: no policy by its name alone
+            "model.remat",
+            "save_only_these_names",
+            "model.remat must be one of ('nothing_saveable', 'dots_with_no_batch_dims_saveable', "
+            "'dots_saveable', 'everything_saveable') or None (off), got 'save_only_these_names'",
+        ),
         (
             "reward.fn",
             "math",

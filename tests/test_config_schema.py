@@ -48,7 +48,7 @@ def test_every_key_of_every_config_has_a_schema_and_passes_it():
         leaves = dict(config_schema.fields(c))
         assert all(isinstance(f, Field) for f in leaves.values()), [k for k, f in leaves.items()]
         config_schema.check(c)
-    assert len(leaves) == 97  # the keys of a config, one schema each
+    assert len(leaves) == 96  # the keys of a config, one schema each
 
 
 @pytest.mark.parametrize(
@@ -112,6 +112,7 @@ def test_a_section_replaced_by_a_plain_dict_is_named():
 # The keys that take None, and what None means for each (configs/common.py).
 NONE_KEYS = {
     "model.tokenizer_path": "model.path's",
+    "model.remat": "off",
     "model.attention_chunk": "all at once",
     "model.logits_chunk": "one block",
     "reference.path": "no reference model: β = 0",
