@@ -84,10 +84,7 @@ def rollout(**values) -> ml_collections.ConfigDict:
         max_new_tokens=Spec(int, POSITIVE),  # L_max
         micro_batch_prompts=Spec(int, POSITIVE, none="a generation batch"),  # prompts decoded a call
         decode_slots=Spec(int, POSITIVE, none="every row"),  # the engine's rows decoded at once
-        decode_chunks=Spec(int, POSITIVE),  # the fixed batch's phases (paged=False)
         paged=Spec(bool),  # the engine: continuous batching over a paged KV cache
-        page_size=Spec(int, POSITIVE),  # the engine's KV slots per page
-        kv_pages=Spec(int, POSITIVE, none="every slot at L_max"),  # the engine's pages a data shard
         tensor_parallel=Spec(int, POSITIVE, none="the trainer's mesh"),  # the sampler's: data x tensor
         param_dtype=Spec(str, choices=("float32", "bfloat16"), none="model.param_dtype"),  # its weights
         dtype=Spec(str, choices=("float32", "bfloat16"), none="model.dtype"),  # its compute dtype
@@ -200,7 +197,6 @@ def evaluation(**values) -> ml_collections.ConfigDict:
         top_p=Spec(float, "(0, 1]"),
         max_problems=Spec(int, POSITIVE, none="all"),  # the first this many problems
         batch_prompts=Spec(int, POSITIVE),  # problems per batch (one compiled program)
-        micro_batch_prompts=Spec(int, POSITIVE, none="all eval.batch_prompts"),  # prompts a call
         at_start=Spec(bool),  # also before the first step
     )
 

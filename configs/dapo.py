@@ -54,14 +54,11 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
         max_new_tokens=20480,  # L_max
         # The engine, continuous batching proper: a whole generation batch a call (192 prompts x
         # 16 = 3,072 rows on each of the 8 data shards) decoded in 64 slots a shard, a row
-        # starting as one ends; the pool holds the prompts' pages and every slot at
-        # max_new_tokens (docs/tpu_32b_plan.md, the refill table).
+        # starting as one ends; the pool (pages of 16 slots) holds the prompts' pages and every
+        # slot at max_new_tokens (docs/tpu_32b_plan.md, the refill table).
         paged=True,
         micro_batch_prompts=None,
         decode_slots=512,  # the engine's rows decoded at once, over all data shards (None: every row)
-        decode_chunks=4,  # the fixed batch's phases (paged=False), each reading the cache filled by its end
-        page_size=16,  # the engine's KV slots per page
-        kv_pages=None,  # the engine's pages per data shard (None: every slot at max_new_tokens, and a spare)
         # the sampler's weights: bf16, tensor-parallel over 8 chips and replicated over the rest
         # (fewer bytes per decoded token than the trainer's FSDP layout and no all-gather:
         # `python -m dapo_jax.aot`, docs/tpu_32b_plan.md)
@@ -102,10 +99,9 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
         temperature=1.0,
         top_p=0.7,
         max_problems=None,
-        batch_prompts=32,
         # all 32 prompts x 32 samples in one engine call: 4 x 32 = 128 rows a data shard in its 64
         # slots (docs/tpu_32b_plan.md)
-        micro_batch_prompts=None,
+        batch_prompts=32,
         at_start=True,
     )
     c.export = common.export(dtype="bfloat16", max_shard_bytes=5 * 2**30)  # HF's shard files of <= 5 GiB
@@ -197,9 +193,6 @@ def tiny() -> ml_collections.ConfigDict:
         # engine's page gathers; experiments/README.md). paged=True decodes with the engine.
         paged=False,
         decode_slots=None,  # the engine's rows decoded at once, over all data shards (None: every row)
-        decode_chunks=4,  # the fixed batch's phases, each reading the cache filled by its end
-        page_size=16,  # the engine's KV slots per page
-        kv_pages=None,  # the engine's pages per data shard (None: every slot at max_new_tokens, and a spare)
         tensor_parallel=None,  # the sampler's mesh: data x tensor (None: the trainer's mesh and weights)
         param_dtype=None,  # the sampler's weight dtype (None: the trainer's)
         dtype=None,  # the sampler's compute dtype (None: the trainer's, model.dtype)
@@ -239,7 +232,6 @@ def tiny() -> ml_collections.ConfigDict:
         top_p=1.0,
         max_problems=None,
         batch_prompts=125,
-        micro_batch_prompts=None,  # prompts decoded at once (None: all eval.batch_prompts)
         at_start=True,
     )
     c.export = common.export(dtype="float32", max_shard_bytes=5 * 2**30)

@@ -48,7 +48,6 @@ def check_config(c: ml_collections.ConfigDict, num_devices: int | None = None) -
     check_ranges(c)
     _check_paths(c)
     _check_sizes(c, num_devices)
-    _check_micro_batches(c)
     _check_old_logp(c)
     for section, make in (
         ("loss", lambda: programs.loss_config(c)),
@@ -105,15 +104,6 @@ def _check_sizes(c: ml_collections.ConfigDict, num_devices: int | None) -> None:
     if num_devices is None:
         num_devices = jax.device_count()
     sizes.check_batch_sizes(c, num_devices)
-
-
-def _check_micro_batches(c: ml_collections.ConfigDict) -> None:
-    """An eval batch splits into whole micro-batches: one compiled eval program."""
-    if c.eval.micro_batch_prompts and c.eval.batch_prompts % c.eval.micro_batch_prompts:
-        raise ConfigError(
-            f"eval.batch_prompts {c.eval.batch_prompts} is not a multiple of "
-            f"eval.micro_batch_prompts {c.eval.micro_batch_prompts}"
-        )
 
 
 def _check_old_logp(c: ml_collections.ConfigDict) -> None:

@@ -10,7 +10,7 @@ that the AOT check compiles exactly the programs a run compiles.
 - `rollout_weights(params)`: the trainer's params as the samplers' weights, cast to
   `rollout.param_dtype` by one compiled program, then moved onto the rollout's mesh;
 - `sampler` / `eval_sampler`: the rollout's program (`Sampler.program`: one micro-batch of
-  `rollout.micro_batch_prompts` x G rows) and the evaluation's (`eval.micro_batch_prompts` x
+  `rollout.micro_batch_prompts` x G rows) and the evaluation's (`eval.batch_prompts` x
   `eval.samples` rows), on the rollout's mesh and dtypes.
 """
 
@@ -158,10 +158,7 @@ def sampling_configs(c: ml_collections.ConfigDict, eos_ids: tuple[int, ...], pad
         prompt_buckets=tuple(c.data.prompt_buckets),
         top_k=c.rollout.top_k,
         decode_slots=c.rollout.decode_slots,
-        decode_chunks=c.rollout.decode_chunks,
         paged=c.rollout.paged,
-        page_size=c.rollout.page_size,
-        kv_pages=c.rollout.kv_pages,
     )
     return (
         SamplingConfig(temperature=c.rollout.temperature, top_p=c.rollout.top_p, **common),
@@ -192,7 +189,7 @@ def build(
         train_step=step_fn,
         logprobs_fn=logprobs_fn,
         sampler=Sampler(rollout_model, rollout_sampling, rollout_mesh, c.rollout.micro_batch_prompts),
-        eval_sampler=Sampler(rollout_model, eval_sampling, rollout_mesh, c.eval.micro_batch_prompts),
+        eval_sampler=Sampler(rollout_model, eval_sampling, rollout_mesh),
         cast=cast,
     )
 
@@ -214,7 +211,7 @@ class ProgramSizes(NamedTuple):
     prompt_len: int  # L: the longest prompt bucket
     rollout_prompts: int  # one rollout micro-batch (rollout.micro_batch_prompts, or a generation batch)
     group: int  # G
-    eval_prompts: int  # one eval micro-batch (eval.micro_batch_prompts, or eval.batch_prompts)
+    eval_prompts: int  # one eval batch: eval.batch_prompts
     eval_samples: int  # n
 
 
@@ -228,7 +225,7 @@ def program_sizes(c: ml_collections.ConfigDict) -> ProgramSizes:
         prompt_len=max(c.data.prompt_buckets),
         rollout_prompts=c.rollout.micro_batch_prompts or c.filter.gen_batch_prompts,
         group=g,
-        eval_prompts=c.eval.micro_batch_prompts or c.eval.batch_prompts,
+        eval_prompts=c.eval.batch_prompts,
         eval_samples=c.eval.samples,
     )
 

@@ -16,8 +16,7 @@ A batch axis of d devices (the mesh's data x fsdp axes; the sampler's mesh's wit
   sizes that fit cost nothing. `check_batch_sizes` names the key, its value, the device count
   and the nearest values that work, in one line (`ConfigError`). The log-prob pass runs on the
   train batch, so the same checks cover it. The engine's `rollout.decode_slots` (rows decoded
-  at once) is checked the same way (`check_decode_slots`), and so is the engine's
-  page pool `rollout.kv_pages` against the prompts of its largest loop (`check_kv_pages`).
+  at once) is checked the same way (`check_decode_slots`).
 """
 
 from __future__ import annotations
@@ -109,30 +108,6 @@ def min_kv_pages(prompts: int, width: int, new_tokens: int, page_size: int) -> i
     return prompts * -(-(width - 1) // z) + -(-(width - 1 + new_tokens) // z) + 1
 
 
-def check_kv_pages(c, devices: int) -> None:
-    """With `rollout.paged` and `rollout.kv_pages` M > 0: M holds the pages of the largest
-    engine loop, a rollout micro-batch's or an evaluation micro-batch's prompts (one loop per
-    device of the sampler's d_r when d_r > 1: ceil(P / d_r) prompts) at the longest prompt
-    bucket; a one-line ConfigError with the least M that works."""
-    if not (c.rollout.paged and c.rollout.kv_pages):
-        return
-    width, n_new, z = max(c.data.prompt_buckets), c.rollout.max_new_tokens, c.rollout.page_size
-    loops = {
-        "a rollout": c.rollout.micro_batch_prompts or c.filter.gen_batch_prompts,
-        "an evaluation": c.eval.micro_batch_prompts or c.eval.batch_prompts,
-    }
-    what, prompts = max(loops.items(), key=lambda kv: kv[1])
-    p = -(-prompts // devices)
-    need = min_kv_pages(p, width, n_new, z)
-    if c.rollout.kv_pages < need:
-        raise ConfigError(
-            f"rollout.kv_pages {c.rollout.kv_pages}: {what} loop holds its {p} prompts' pages "
-            f"({-(-(width - 1) // z)} each of {z} slots at up to {width} tokens), one row's "
-            f"{-(-(width - 1 + n_new) // z)} at {n_new} new tokens and a spare; set it to at least "
-            f"{need} (None: every slot at max_new_tokens)"
-        )
-
-
 def check_train_sizes(train_prompts: int, mini_prompts: int, micro_rows: int, group_size: int, devices: int):
     """The train batch of `train_prompts` prompts x G rows splits into mini-batches of
     `mini_prompts` prompts x G rows, each over the d_t = `devices` devices, and into
@@ -188,5 +163,4 @@ def check_batch_sizes(c, devices: int) -> BatchAxes:
             "for a fixed batch"
         )
     check_decode_slots(c.rollout.decode_slots, axes.rollout)
-    check_kv_pages(c, axes.rollout)
     return axes

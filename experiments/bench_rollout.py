@@ -124,7 +124,7 @@ def _args():
         nargs="+",
         default=[1],
         help="meshes to run on: the data axis over this many XLA CPU devices (the host split as the "
-        "tiny config's cpu_devices does); the first mesh's fixed batch is the baseline",
+        "make demo's JAX_NUM_CPU_DEVICES=2 does); the first mesh's fixed batch is the baseline",
     )
     return ap.parse_args()
 

@@ -7,8 +7,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from configs import dapo
-from dapo_jax import config_checks, hf_io, hf_model_config, model, overrides, programs, sharding
-from dapo_jax.errors import ConfigError
+from dapo_jax import hf_io, hf_model_config, model, overrides, programs, sharding
 
 
 def _tiny(**keys):
@@ -69,28 +68,6 @@ def test_rollout_weights_are_cast_by_one_program_onto_a_tensor_parallel_mesh(qwe
         moved,
         params,
     )
-
-
-def test_eval_decodes_in_its_own_micro_batches():
-    c = _tiny(**{"eval.batch_prompts": 8, "eval.micro_batch_prompts": 2})
-    cfg = model.ModelConfig(
-        vocab_size=8,
-        hidden_size=8,
-        intermediate_size=8,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=4,
-    )
-    p = programs.build(c, cfg, (1,), 0)
-    assert p.eval_sampler.micro_batch_prompts == 2 and p.sampler.micro_batch_prompts is None
-    s = programs.program_sizes(c)
-    assert (s.eval_prompts, s.eval_samples, s.rollout_prompts, s.group) == (2, 4, 64, 8)
-    c.eval.micro_batch_prompts = 3
-    with pytest.raises(
-        ConfigError, match="eval.batch_prompts 8 is not a multiple of eval.micro_batch_prompts 3"
-    ):
-        config_checks.check_config(c)
 
 
 def test_abstract_inputs_hold_each_programs_arguments_and_what_stays_resident(qwen2_dir):

@@ -247,20 +247,3 @@ def test_a_run_takes_odd_generation_and_evaluation_batches(tmp_path):
     assert summary["dynamic_sampling/prompts_consumed"] == 3 * summary["dynamic_sampling/gen_batches"]
     assert 0 <= summary["eval/avg@3"] <= 1 and summary["eval/pass@3"] >= summary["eval/avg@3"]
     assert [r["step"] for r in metrics.read_jsonl(str(tmp_path / metrics.JSONL))] == [1]
-
-
-def test_a_page_pool_too_small_for_the_engine_names_the_least_that_works():
-    """tiny on 2 devices: prompts of up to 48 tokens take ceil(47 / 16) = 3 pages of 16, a row at
-    96 new tokens ceil(143 / 16) = 9; the largest loop is the evaluation's, 125 prompts over 2
-    loops, 63 in one: 63 x 3 + 9 + 1 = 199 pages."""
-    c = dapo.get_config("tiny")
-    c.rollout.paged, c.rollout.kv_pages = True, 198
-    message = r"^rollout.kv_pages 198: an evaluation loop holds its 63 prompts' pages .* at least 199 "
-    with pytest.raises(ConfigError, match=message):
-        sizes.check_batch_sizes(c, 2)
-    c.rollout.kv_pages = 199
-    sizes.check_batch_sizes(c, 2)
-    c.eval.micro_batch_prompts = 8  # now the rollout's 64 prompts, 32 a loop: 32 x 3 + 10 = 106
-    c.rollout.kv_pages = 105
-    with pytest.raises(ConfigError, match=r"^rollout.kv_pages 105: a rollout loop .* at least 106 "):
-        sizes.check_batch_sizes(c, 2)
