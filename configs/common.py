@@ -27,7 +27,16 @@ def root(**values) -> ml_collections.ConfigDict:
     """The config's top-level keys; the sections are set on it. What the machine decides is the
     launch environment's: JAX_NUM_CPU_DEVICES (a CPU-only host split into XLA devices) and
     JAX_COMPILATION_CACHE_DIR (default `<workdir>/compilation_cache`: dapo_jax.run)."""
-    return section(values, seed=Spec(int, COUNT))
+    return section(
+        values,
+        seed=Spec(int, COUNT),
+        # The variants faster on XLA:CPU, one switch for all four (experiments/README.md has
+        # each one's gain): the fixed-batch rollout for the paged engine, the decoder layers
+        # unrolled for one scanned body, cached keys transposed ([B, K, E, S]) and glibc's
+        # malloc tuned (dapo_jax.host_memory). The same samples and updates either way; False
+        # in the TPU configs.
+        cpu_variants=Spec(bool),
+    )
 
 
 def model(**values) -> ml_collections.ConfigDict:
@@ -43,9 +52,7 @@ def model(**values) -> ml_collections.ConfigDict:
         remat=Spec(str, choices=model_lib.REMAT_POLICIES, none="off"),
         # queries per block of the trainer's attention
         attention_chunk=Spec(int, POSITIVE, none="all at once"),
-        scan_layers=Spec(bool),  # one compiled layer body (nn.scan)
         logits_chunk=Spec(int, POSITIVE, none="one block"),  # tokens per block of LM head + log-softmax
-        transposed_keys=Spec(bool),  # cached keys [B, K, E, S]: XLA:CPU's faster decode
     )
 
 
@@ -84,7 +91,6 @@ def rollout(**values) -> ml_collections.ConfigDict:
         max_new_tokens=Spec(int, POSITIVE),  # L_max
         micro_batch_prompts=Spec(int, POSITIVE, none="a generation batch"),  # prompts decoded a call
         decode_slots=Spec(int, POSITIVE, none="every row"),  # the engine's rows decoded at once
-        paged=Spec(bool),  # the engine: continuous batching over a paged KV cache
         tensor_parallel=Spec(int, POSITIVE, none="the trainer's mesh"),  # the sampler's: data x tensor
         param_dtype=Spec(str, choices=("float32", "bfloat16"), none="model.param_dtype"),  # its weights
         dtype=Spec(str, choices=("float32", "bfloat16"), none="model.dtype"),  # its compute dtype

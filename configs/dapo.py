@@ -23,7 +23,7 @@ def get_config(arg: str = "tiny") -> ml_collections.ConfigDict:
 
 def qwen2_5_32b() -> ml_collections.ConfigDict:
     """The official 32B run (docs/dapo_spec.md section 8): 512 prompts x G=16, 16 updates per step."""
-    c = common.root(seed=0)
+    c = common.root(seed=0, cpu_variants=False)  # the engine, one scanned layer body
     c.model = common.model(
         path="/ckpt/Qwen2.5-32B",
         tokenizer_path=None,
@@ -31,9 +31,7 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
         param_dtype="float32",
         remat="nothing_saveable",  # each layer's input kept, the rest recomputed
         attention_chunk=1024,  # a layer's scores at 20k tokens: 1024 x 20k, not 20k^2
-        scan_layers=True,  # one compiled layer body: 64 layers compile as one
         logits_chunk=2048,
-        transposed_keys=False,  # cached keys [B, K, E, S]: XLA:CPU's faster decode
     )  # LM head + log-softmax over 2048 x 152k, not 22k x 152k
     c.reference = common.reference(path=None)  # β = 0: no reference model is loaded or run
     c.mesh = common.mesh(data=1, fsdp=-1, tensor=8)  # v5p-128: 64 chips = fsdp 8 x tensor 8 (aot.py)
@@ -56,7 +54,6 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
         # 16 = 3,072 rows on each of the 8 data shards) decoded in 64 slots a shard, a row
         # starting as one ends; the pool (pages of 16 slots) holds the prompts' pages and every
         # slot at max_new_tokens (docs/tpu_32b_plan.md, the refill table).
-        paged=True,
         micro_batch_prompts=None,
         decode_slots=512,  # the engine's rows decoded at once, over all data shards (None: every row)
         # the sampler's weights: bf16, tensor-parallel over 8 chips and replicated over the rest
@@ -157,7 +154,10 @@ def tiny() -> ml_collections.ConfigDict:
     """CPU scale: the shipped tiny base model on the shipped synthetic task, a few minutes. `make
     demo` runs it with JAX_NUM_CPU_DEVICES=2: the 2-core CPU as 2 XLA devices, the data axis
     across them, the faster step here (experiments/README.md)."""
-    c = common.root(seed=0)
+    # The XLA:CPU variants: the fixed-batch rollout (faster than the engine at the demo's lengths:
+    # the engine's page gathers), unrolled layers, keys cached transposed, glibc's malloc tuned
+    # (experiments/README.md)
+    c = common.root(seed=0, cpu_variants=True)
     c.model = common.model(
         path=common.TINY_MODEL,
         tokenizer_path=None,
@@ -167,9 +167,7 @@ def tiny() -> ml_collections.ConfigDict:
         # Blocks of 64 queries, each reading its causal prefix of keys (no remat): the faster
         # update on this CPU (experiments/README.md).
         attention_chunk=64,
-        scan_layers=False,
         logits_chunk=None,
-        transposed_keys=True,  # cached keys [B, K, E, S]: XLA:CPU's faster decode
     )
     c.reference = common.reference(path=None)  # β = 0: no reference model is loaded or run
     c.mesh = common.mesh(data=-1, fsdp=1, tensor=1)
@@ -189,9 +187,6 @@ def tiny() -> ml_collections.ConfigDict:
         top_k=None,
         max_new_tokens=96,  # L_max; worked solutions take up to ~75 tokens
         micro_batch_prompts=None,  # the whole generation batch at once
-        # The fixed batch: on this CPU, faster than the engine at the demo's lengths (the
-        # engine's page gathers; experiments/README.md). paged=True decodes with the engine.
-        paged=False,
         decode_slots=None,  # the engine's rows decoded at once, over all data shards (None: every row)
         tensor_parallel=None,  # the sampler's mesh: data x tensor (None: the trainer's mesh and weights)
         param_dtype=None,  # the sampler's weight dtype (None: the trainer's)

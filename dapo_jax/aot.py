@@ -16,10 +16,10 @@ temporary memory, plus what stays resident beside it (the train state: params an
 the rollout weights' copy during the samplers' programs), against the chip's HBM, FLOPs and the
 time they imply at the chip's peak; then the KV cache and the HBM
 bytes each decoded token reads under the trainer's FSDP layout and under a tensor-parallel rollout
-layout. `engine` compiles what `rollout.paged` runs on the rollout mesh (the whole rollout of a
-micro-batch, its prefill, and one decode step as its own program) and sets the step's HBM bytes
-against a count by hand (`engine_cost`) at DAPO's lengths, with the tokens/s per chip they imply.
-It exits 1 with a one-line message when a program does not fit.
+layout. `engine` compiles what the engine (`cpu_variants` False) runs on the rollout mesh (the
+whole rollout of a micro-batch, its prefill, and one decode step as its own program) and sets
+the step's HBM bytes against a count by hand (`engine_cost`) at DAPO's lengths, with the
+tokens/s per chip they imply. It exits 1 with a one-line message when a program does not fit.
 
 FLOPs. XLA's cost analysis counts a loop body once (the scanned layers, the micro-batch scan, the
 decode loop), so the FLOPs and times below are the model's, counted by hand (`aot_report.model_flops`);

@@ -1,4 +1,4 @@
-"""The rollout engine's programs (`rollout.paged`) compiled on the rollout mesh, and their HBM bytes
+"""The rollout engine's programs (`cpu_variants` False) compiled on the rollout mesh, and their HBM bytes
 per decode step against a count by hand at DAPO's lengths (`dapo_jax.aot`'s `engine`)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dapo_jax.dapo_lengths import dapo_rows
 
 
 def engine_rows(c, cfg: model.ModelConfig, devices, chip: Chip, hbm_gib: float) -> list[dict]:
-    """The programs `rollout.paged` runs, compiled on the rollout mesh, and their HBM bytes per
+    """The programs the engine runs, compiled on the rollout mesh, and their HBM bytes per
     decode step against the hand count (`engine_cost.engine_count`) at DAPO's lengths
     (`dapo_rows`), with the tokens/s per chip each implies:
     - `engine`: the whole rollout of one micro-batch (each data shard's prefill and decode loop),
@@ -68,11 +68,11 @@ def engine_rows(c, cfg: model.ModelConfig, devices, chip: Chip, hbm_gib: float) 
 
 
 def _engine_count(c, cfg: model.ModelConfig, devices):
-    """`(config, programs, shard, count, response_B)`: `c` with `rollout.paged` on, its programs
+    """`(config, programs, shard, count, response_B)`: `c` with the engine (`cpu_variants` off), its programs
     on `devices`, a data shard's sizes (`engine_cost.shard`) and the hand count of its decode at
     DAPO's lengths (`dapo_rows`, `engine_cost.engine_count`)."""
     paged = c.copy_and_resolve_references()
-    paged.rollout.paged = True
+    paged.cpu_variants = False
     p = programs.build(paged, cfg, (0,), 0, devices)
     sh, s = engine_cost.shard(p, paged), programs.program_sizes(paged)
     geo, tensor = sh.geometry, p.rollout_mesh.shape["tensor"]

@@ -90,7 +90,7 @@ class Shard(NamedTuple):
 
 def shard(p: programs.Programs, c) -> Shard:
     """The engine each data x fsdp shard runs for one rollout micro-batch (`Sampler` with
-    `rollout.paged`: a loop per shard on its P / d prompts and decode_slots / d slots)."""
+    the engine: a loop per shard on its P / d prompts and decode_slots / d slots)."""
     s, mesh = programs.program_sizes(c), p.rollout_mesh
     d = mesh.shape["data"] * mesh.shape["fsdp"]
     config = dataclasses.replace(p.sampler.config.for_shard(d), paged=True)

@@ -158,7 +158,7 @@ def sampling_configs(c: ml_collections.ConfigDict, eos_ids: tuple[int, ...], pad
         prompt_buckets=tuple(c.data.prompt_buckets),
         top_k=c.rollout.top_k,
         decode_slots=c.rollout.decode_slots,
-        paged=c.rollout.paged,
+        paged=not c.cpu_variants,
     )
     return (
         SamplingConfig(temperature=c.rollout.temperature, top_p=c.rollout.top_p, **common),

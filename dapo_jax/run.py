@@ -105,9 +105,11 @@ _MODEL_FOLDERS = ("path", "tokenizer_path")  # the model section's keys that are
 
 
 def model_numerics(c: ml_collections.ConfigDict) -> dict:
-    """The ModelConfig fields that the config's `model` section sets, every key of it but the
-    folders (dtype, param_dtype, remat, ...; the rest come from config.json)."""
-    return {k: v for k, v in c.model.items() if k not in _MODEL_FOLDERS}
+    """The ModelConfig fields that the config sets: every key of its `model` section but the
+    folders (dtype, param_dtype, remat, ...), and the layer scan and key layout of `cpu_variants`
+    (the rest come from config.json)."""
+    numerics = {k: v for k, v in c.model.items() if k not in _MODEL_FOLDERS}
+    return {**numerics, "scan_layers": not c.cpu_variants, "transposed_keys": c.cpu_variants}
 
 
 def use_compilation_cache(workdir: str) -> str:
@@ -126,7 +128,7 @@ def build(c: ml_collections.ConfigDict, workdir: str) -> Run:
     """The mesh, model, tokenizer, data, samplers, compiled steps (`programs.build`) and reward
     workers."""
     use_compilation_cache(workdir)
-    if jax.devices()[0].platform == "cpu":
+    if c.cpu_variants:
         host_memory.tune_for_xla_cpu()
     numerics = model_numerics(c)
     hf_config, mcfg = hf_io.check_model_folder(c.model.path, **numerics)

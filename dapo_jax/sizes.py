@@ -156,11 +156,11 @@ def check_batch_sizes(c, devices: int) -> BatchAxes:
     check_train_sizes(
         t.train_batch_prompts, t.mini_batch_prompts, t.micro_batch_size, c.rollout.group_size, axes.train
     )
-    if c.rollout.decode_slots and not c.rollout.paged:
+    if c.rollout.decode_slots and c.cpu_variants:
         raise ConfigError(
             f"rollout.decode_slots {c.rollout.decode_slots} sets the engine's slots, which "
-            "rollout.paged = False does not run: set rollout.paged = True, or rollout.decode_slots = None "
-            "for a fixed batch"
+            "cpu_variants = True does not run (its rollout is the fixed batch): set cpu_variants = False, "
+            "or rollout.decode_slots = None"
         )
     check_decode_slots(c.rollout.decode_slots, axes.rollout)
     return axes

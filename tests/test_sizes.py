@@ -77,14 +77,14 @@ def test_pad_rows_and_nearest_by_hand():
             f"of 2, 4, 8, 16, 32 or 64 rows, each split over {OVER_2}; nearest value that works: 2",
         ),
         (
-            {"rollout.paged": True, "rollout.decode_slots": 3},
+            {"cpu_variants": False, "rollout.decode_slots": 3},
             "rollout.decode_slots 3: the engine's slots split over the 2 devices of the sampler "
             "mesh's data x fsdp axes; nearest values that work: 2 and 4",
         ),
         (
             {"rollout.decode_slots": 4},
-            "rollout.decode_slots 4 sets the engine's slots, which rollout.paged = False does not run: "
-            "set rollout.paged = True, or rollout.decode_slots = None for a fixed batch",
+            "rollout.decode_slots 4 sets the engine's slots, which cpu_variants = True does not run (its "
+            "rollout is the fixed batch): set cpu_variants = False, or rollout.decode_slots = None",
         ),
     ],
 )
@@ -108,7 +108,7 @@ def test_the_meshes_are_checked_against_the_devices():
         config_checks.check_config(overrides.apply(dapo.get_config("tiny"), {"mesh.data": 3}), num_devices=8)
     # with 2-way tensor parallelism the sampler's data axis is 4 wide: 6 slots do not split
     slots = overrides.apply(
-        tp, {"rollout.tensor_parallel": 2, "rollout.paged": True, "rollout.decode_slots": 6}
+        tp, {"rollout.tensor_parallel": 2, "cpu_variants": False, "rollout.decode_slots": 6}
     )
     with pytest.raises(ConfigError, match="decode_slots 6: .* over the 4 devices .* 4 and 8$"):
         config_checks.check_config(slots, num_devices=8)
