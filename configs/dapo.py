@@ -30,7 +30,6 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
         dtype="bfloat16",
         param_dtype="float32",
         remat="nothing_saveable",  # each layer's input kept, the rest recomputed
-        attention_chunk=1024,  # a layer's scores at 20k tokens: 1024 x 20k, not 20k^2
         logits_chunk=2048,
     )  # LM head + log-softmax over 2048 x 152k, not 22k x 152k
     c.reference = common.reference(path=None)  # β = 0: no reference model is loaded or run
@@ -164,9 +163,6 @@ def tiny() -> ml_collections.ConfigDict:
         dtype="float32",
         param_dtype="float32",
         remat=None,
-        # Blocks of 64 queries, each reading its causal prefix of keys (no remat): the faster
-        # update on this CPU (experiments/README.md).
-        attention_chunk=64,
         logits_chunk=None,
     )
     c.reference = common.reference(path=None)  # β = 0: no reference model is loaded or run
@@ -257,7 +253,6 @@ def smollm2_135m() -> ml_collections.ConfigDict:
     c.model.path = common.SMOLLM2_MODEL
     # f32 compute (tiny's): in bf16 the model's whole forward was not faster on this CPU
     # (experiments/results/smollm2/README.md)
-    c.model.attention_chunk = None  # prompt + response under 200 tokens: one block
     c.model.logits_chunk = 512  # LM head + log-softmax over 512 x 49,152 at a time (the first
     # trial, without: 13.7 GiB resident)
     c.data.train_files = (common.SMOLLM2_TRAIN,)

@@ -136,7 +136,6 @@ def config_from_hf(
     dtype="bfloat16",
     param_dtype="float32",
     remat=None,
-    attention_chunk=None,
     source="config.json",
     **numerics,
 ) -> ModelConfig:
@@ -180,7 +179,6 @@ def config_from_hf(
         dtype=dtype,
         param_dtype=param_dtype,
         remat=remat,
-        attention_chunk=attention_chunk,
         **numerics,  # scan_layers, logits_chunk, transposed_keys
     )
 

@@ -33,6 +33,12 @@ from dapo_jax.paged_attention import PageRefs
 from dapo_jax.segment_attention import SegmentIds, blocked_attention, splash_attention
 
 _NEG_INF = -1e30  # finite, so that a fully masked (padding) query row stays NaN-free
+# A block of multi-token attention holds at most this many scores a row and query head (f32: 128 MiB)
+BLOCK_SCORES = 2**25
+# Queries and keys per block of packed rows' attention off TPU (`blocked_attention`), whose block
+# pairs that no segment needs are skipped (the splash kernel's on TPU: 512). Blocks of 64: the
+# faster update on the 2-core CPU than one block or 32 (experiments/README.md).
+SEGMENT_BLOCK = 64
 # The jax.checkpoint_policies names that are policies themselves, not factories of one
 # (checkpoint_dots and checkpoint_dots_with_no_batch_dims are aliases of two of them)
 REMAT_POLICIES = (
@@ -41,6 +47,16 @@ REMAT_POLICIES = (
     "dots_saveable",
     "everything_saveable",
 )
+
+
+def attention_block(t: int, s: int) -> int:
+    """C, the queries per block of a multi-token attention of T queries over S keys (S = T without
+    a cache): all T when a row's T x S scores a head fit `BLOCK_SCORES` (2^25), else the largest
+    power of two with C x S <= 2^25. At Qwen2.5-32B's T = S = 2048 + 20480 = 22,528 that is
+    1024 (2^25 / 22,528 = 1489.5): a layer's scores 1024 x 22,528 a block, not 22,528^2."""
+    if t * s <= BLOCK_SCORES:
+        return t
+    return 1 << max((BLOCK_SCORES // s).bit_length() - 1, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +82,6 @@ class ModelConfig:
     # each decoder layer rematerialised in the backward pass, keeping what this jax.checkpoint_policies
     # policy saves (one of REMAT_POLICIES); None: no rematerialisation
     remat: str | None = None
-    attention_chunk: int | None = None  # queries per block of multi-token attention (None: all); in the
-    # trainer, memory-bounded with remat, else about half the scores skipped (`chunked_attention`)
     scan_layers: bool = False  # one compiled layer body (nn.scan), params stacked on "layers"
     logits_chunk: int | None = None  # tokens per block of LM head + log-softmax in the trainer (None: 1)
     transposed_keys: bool = False  # cached keys as [B, K, E, S] (`KVCache`), for XLA:CPU's decode
@@ -258,10 +272,8 @@ def decode_attention(q_BxKxRxE, cache: KVCache, attn_BxS, dtype, transposed_keys
     return jnp.sum(probs_BxKxRxS[..., None] * cache.v[:, :, None], -2)
 
 
-def chunked_attention(
-    q_BxTxKxRxE, keys, v_BxKxSxE, attn_BxTxS, dtype, chunk: int | None, causal_prefix: bool
-):
-    """`grouped_attention` over blocks of `chunk` queries (one block when T <= chunk or chunk is None).
+def chunked_attention(q_BxTxKxRxE, keys, v_BxKxSxE, attn_BxTxS, dtype, chunk: int, causal_prefix: bool):
+    """`grouped_attention` over blocks of `chunk` queries (one block when T <= chunk).
 
     By default the blocks run one after another (`lax.map`), each rematerialised in the backward
     pass: one block's B x K x R x C x S scores are alive at a time, not all T rows of them (a
@@ -273,7 +285,7 @@ def chunked_attention(
     then averages the values of its block's keys, not of all S: padding rows stay finite, and no
     real token reads them."""
     b, t, k, r, e = q_BxTxKxRxE.shape
-    if not chunk or t <= chunk:
+    if t <= chunk:
         return grouped_attention(q_BxTxKxRxE, keys, v_BxKxSxE, attn_BxTxS, dtype)
     if causal_prefix:
         blocks = [(start, min(start + chunk, t)) for start in range(0, t, chunk)]
@@ -392,13 +404,13 @@ class Attention(nn.Module):
         k_BxKxTxE = apply_rope(k_BxTxKxE, rope).transpose(0, 2, 1, 3)
         v_BxKxTxE = val.reshape(b, t, k, e).transpose(0, 2, 1, 3)
         q_BxTxKxRxE = q_BxTxHxE.reshape(b, t, k, h // k, e)
-        dtype, chunk = c.compute_dtype, c.attention_chunk
+        dtype = c.compute_dtype
         if isinstance(attn_BxTxS, SegmentIds):  # packed rows: blocks across segments skipped
             kT_BxKxExT, seg_BxT = k_BxKxTxE.swapaxes(2, 3), attn_BxTxS.segment_BxT
             if _splash_applies(t, k):
                 out = splash_attention(q_BxTxKxRxE, kT_BxKxExT, v_BxKxTxE, seg_BxT).astype(dtype)
-            elif chunk and t > chunk:
-                out = blocked_attention(q_BxTxKxRxE, kT_BxKxExT, v_BxKxTxE, seg_BxT, dtype, chunk)
+            elif SEGMENT_BLOCK < t:
+                out = blocked_attention(q_BxTxKxRxE, kT_BxKxExT, v_BxKxTxE, seg_BxT, dtype, SEGMENT_BLOCK)
             else:
                 out = grouped_attention(
                     q_BxTxKxRxE, kT_BxKxExT, v_BxKxTxE, segment_attention_mask(seg_BxT), dtype
@@ -406,6 +418,7 @@ class Attention(nn.Module):
         elif cache is None:
             kT_BxKxExT = k_BxKxTxE.swapaxes(2, 3)
             # memory first with remat (one block at a time), else fewer FLOPs (causal prefixes)
+            chunk = attention_block(t, t)
             out = chunked_attention(
                 q_BxTxKxRxE, kT_BxKxExT, v_BxKxTxE, attn_BxTxS, dtype, chunk, causal_prefix=c.remat is None
             )
@@ -421,6 +434,7 @@ class Attention(nn.Module):
                 out = out[:, None]
             else:
                 kT_BxKxExS = cache.k if c.transposed_keys else cache.k.swapaxes(2, 3)
+                chunk = attention_block(t, cache_slots(cache))
                 out = chunked_attention(
                     q_BxTxKxRxE, kT_BxKxExS, cache.v, attn_BxTxS, dtype, chunk, causal_prefix=False
                 )

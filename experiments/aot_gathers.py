@@ -34,7 +34,6 @@ CFG = model.ModelConfig(
     qkv_bias=True,
     remat="nothing_saveable",
     scan_layers=True,
-    attention_chunk=512,
     logits_chunk=512,
 )
 ROWS, T, MICRO = 32, 2048, 2

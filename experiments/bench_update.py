@@ -17,9 +17,6 @@ Each variant toggles one setting against `base` (recompute, float32, 1 micro-bat
     micro8     8 micro-batches (of 8 rows)
     packed16 / packed8 / packed4   the trainer's layout: the rows packed (`dapo_jax.packing`, on the host,
                inside the timed update) into micro-batches of 16 / 8 / 4 packed rows of width T
-`--attention_chunk 64` sets the tiny config's attention blocks (padded rows: causal prefixes;
-packed rows: `segment_attention.blocked_attention`, only the block pairs that each row's
-segments need).
 `--mix longtail` swaps the responses for DAPO's shape at a smaller scale: T = 32 + 512, 3 of
 the 64 responses (4.7%) at the 512 maximum, the others exponential with mean 96 (mean 22% of
 the maximum), where the padded update trains mostly padding.
@@ -105,10 +102,10 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def make_update(old_logp: str, dtype: str, micro: int, micro_rows: int, mesh, attention_chunk=None):
+def make_update(old_logp: str, dtype: str, micro: int, micro_rows: int, mesh):
     """`update(state, rollout, sampler_logp) -> (state, metrics)`: log pi_old then one step; with
     `micro_rows` the rollout packed first (`dapo_jax.packing`)."""
-    m = model.Transformer(dataclasses.replace(CFG, dtype=dtype, attention_chunk=attention_chunk))
+    m = model.Transformer(dataclasses.replace(CFG, dtype=dtype))
     schedule = ts.learning_rate_schedule(1e-6, 0, "constant")
     opt = ts.make_optimizer(schedule, weight_decay=0.1, grad_clip=1.0)
     loss_cfg = ts.LossConfig(clip_ratio_c=10.0, temperature=1.0, old_logp=old_logp)
@@ -147,9 +144,6 @@ def main():
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--mix", default="uniform", choices=tuple(RESPONSE))
-    parser.add_argument(
-        "--attention_chunk", type=int, default=None, help="model.attention_chunk (the tiny config's: 64)"
-    )
     args = parser.parse_args()
     names = args.variants.split(",")
     mesh = sharding.make_mesh({"data": -1}, devices=jax.devices()[:1])
@@ -157,7 +151,7 @@ def main():
     sampler_logp = np.zeros(rollout.tokens_BxT.shape, np.float32)  # the "sampler"'s: a stand-in
     runs = {}
     for name in names:
-        state, update = make_update(*VARIANTS[name], mesh, args.attention_chunk)
+        state, update = make_update(*VARIANTS[name], mesh)
         state, _ = update(state, rollout, sampler_logp)  # compile
         runs[name] = [state, update, []]
     for _ in range(args.reps):
@@ -172,7 +166,7 @@ def main():
     t = rollout.tokens_BxT.shape[1]
     flops_of = lambda rows: rows * t * (6 * n_matmul + 12 * CFG.num_layers * CFG.num_heads * CFG.head_dim * t)
     print(
-        f"backend {jax.default_backend()}, mix {args.mix}, attention_chunk {args.attention_chunk}: "
+        f"backend {jax.default_backend()}, mix {args.mix}: "
         f"{ROWS} rows x T {t}, {ROWS * t} tokens, "
         f"{int(rollout.loss_mask_BxT.sum())} loss tokens, {int(rollout.mask_BxT.sum())} real"
     )

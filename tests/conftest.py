@@ -83,6 +83,20 @@ def qwen3_dir(tmp_path_factory):
     )
 
 
+@pytest.fixture
+def attention_blocks(monkeypatch):
+    """`attention_blocks(c)`: the model's multi-token attention traced from then on in blocks of
+    c queries (0: one block), in place of `model.attention_block`'s and `model.SEGMENT_BLOCK`'s
+    (one block at test sizes)."""
+    from dapo_jax import model  # noqa: PLC0415 (after XLA_FLAGS)
+
+    def blocks(chunk):
+        monkeypatch.setattr(model, "attention_block", lambda t, s: chunk or t)
+        monkeypatch.setattr(model, "SEGMENT_BLOCK", chunk or 2**31)
+
+    return blocks
+
+
 # Metrics that measure time or count the reward workers' life, not the run's maths.
 WALL_CLOCK = ("timing/", "throughput/", "reward/")
 

@@ -23,15 +23,28 @@ CONFIG = model.ModelConfig(
 )
 
 
-def _with_chunk(chunk, remat=False):
-    policy = "nothing_saveable" if remat else None
-    return model.Transformer(dataclasses.replace(CONFIG, attention_chunk=chunk, remat=policy))
+def _model(remat=False):
+    return model.Transformer(dataclasses.replace(CONFIG, remat="nothing_saveable" if remat else None))
 
 
 @pytest.fixture(scope="module")
 def params():
     mesh = sharding.make_mesh({"data": -1}, devices=jax.devices()[:1])
-    return sharding.init_params(_with_chunk(0), mesh, jax.random.key(0))
+    return sharding.init_params(_model(), mesh, jax.random.key(0))
+
+
+def test_attention_block_by_hand():
+    """All T queries while a row's T x S scores a head fit in 2^25, else the largest power of two
+    C with C x S <= 2^25."""
+    assert model.BLOCK_SCORES == 33_554_432
+    # Qwen2.5-32B's trainer: T = S = 2048 + 20480 = 22,528; 2^25 / 22,528 = 1489.5 -> 1024
+    assert model.attention_block(22_528, 22_528) == 1024
+    # the tiny config's: T = S = 48 + 96 = 144, 144^2 = 20,736 scores: one block
+    assert model.attention_block(144, 144) == 144
+    # 5792^2 = 33,547,264 fits; 5793^2 = 33,558,849 does not: 2^25 / 5793 = 5792.2 -> 4096
+    assert (model.attention_block(5792, 5792), model.attention_block(5793, 5793)) == (5792, 4096)
+    # a prefill of 2048 queries into a cache of 22,528 slots: 2048 x 22,528 > 2^25 -> 1024
+    assert model.attention_block(2048, 22_528) == 1024
 
 
 def _loss(m, tokens, mask):
@@ -40,45 +53,45 @@ def _loss(m, tokens, mask):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("remat", [False, True])  # causal prefixes unrolled; one block at a time
-def test_chunked_equals_whole(params, remat):
+def test_chunked_equals_whole(params, remat, attention_blocks):
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, 96, (3, 20)).astype(np.int32)
     mask = np.arange(20)[None] >= np.array([[0], [5], [13]])  # left padding, 20 = 2 x 8 + 4
-    whole, chunked = _with_chunk(0, remat), _with_chunk(8, remat)
-    logits = [jax.jit(lambda p, m=m: model.forward(m, p, tokens, mask))(params) for m in (whole, chunked)]
+    m, logits, grads = _model(remat), [], []
+    for chunk in (0, 8):  # whole, blocks of 8
+        attention_blocks(chunk)
+        logits.append(jax.jit(lambda p: model.forward(m, p, tokens, mask))(params))
+        grads.append(jax.jit(jax.grad(_loss(m, tokens, mask)))(params))
     np.testing.assert_allclose(logits[1][mask], logits[0][mask], atol=1e-5)  # padding: don't care
     assert np.isfinite(logits[1]).all()
-    grads = [jax.jit(jax.grad(_loss(m, tokens, mask)))(params) for m in (whole, chunked)]
     for g0, g1 in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
         np.testing.assert_allclose(g1, g0, atol=1e-5, rtol=1e-4)
     assert max(float(np.abs(g).max()) for g in jax.tree.leaves(grads[0])) > 1e-2  # not all ~0
 
 
 @pytest.mark.slow
-def test_chunks_bound_the_scores_memory_with_remat(params):
+def test_chunks_bound_the_scores_memory_with_remat(params, attention_blocks):
     tokens, mask = np.ones((2, 512), np.int32), np.ones((2, 512), bool)
-    temp = {
-        chunk: jax.jit(jax.grad(_loss(_with_chunk(chunk, remat=True), tokens, mask)))
-        .lower(params)
-        .compile()
-        .memory_analysis()
-        .temp_size_in_bytes
-        for chunk in (0, 64)
-    }
+    temp = {}
+    for chunk in (0, 64):
+        attention_blocks(chunk)
+        grad = jax.jit(jax.grad(_loss(_model(remat=True), tokens, mask)))
+        temp[chunk] = grad.lower(params).compile().memory_analysis().temp_size_in_bytes
     scores = 2 * CONFIG.num_heads * 512 * 512 * 4  # one layer's f32 scores over all queries
     assert temp[0] - temp[64] > CONFIG.num_layers * scores and temp[64] < temp[0] / 4, temp
 
 
 @pytest.mark.slow
-def test_causal_blocks_skip_the_masked_scores(params):
+def test_causal_blocks_skip_the_masked_scores(params, attention_blocks):
     """Forward FLOPs of T = 512 in blocks of 64 (no remat) against all at once: block i computes
     64 x 64(i + 1) scores, not 64 x 512, so 28/64 of the scores are skipped, with their share of
     the q.k and p.v dots (2 x H FLOPs a score each) and of the softmax (a few FLOPs a score)."""
     tokens, mask = np.ones((2, 512), np.int32), np.ones((2, 512), bool)
-    forward = lambda chunk: lambda p: model.forward(_with_chunk(chunk), p, tokens, mask)
-    flops = {
-        chunk: jax.jit(forward(chunk)).lower(params).compile().cost_analysis()["flops"] for chunk in (0, 64)
-    }
+    flops = {}
+    for chunk in (0, 64):
+        attention_blocks(chunk)
+        forward = jax.jit(lambda p: model.forward(_model(), p, tokens, mask))
+        flops[chunk] = forward.lower(params).compile().cost_analysis()["flops"]
     skipped_scores = CONFIG.num_layers * 2 * CONFIG.num_heads * 512 * 512 * 28 / 64  # B = 2
     dots = skipped_scores * 2 * (2 * CONFIG.head_dim)
     assert dots < flops[0] - flops[64] < dots + 8 * skipped_scores, (flops, dots)
@@ -137,16 +150,18 @@ def _packed_rows():
 
 
 @pytest.mark.parametrize("remat", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_segment_blocks_equal_masked_attention_and_separate_rows(params, remat):
+def test_segment_blocks_equal_masked_attention_and_separate_rows(params, remat, attention_blocks):
     tokens, seg = _packed_rows()
     real = seg > 0
-    whole, blocked = _with_chunk(0, remat), _with_chunk(4, remat)  # dense segment mask; blocks of 4
-    logits = [jax.jit(lambda p, m=m: model.forward(m, p, tokens, seg))(params) for m in (whole, blocked)]
+    m, logits, grads = _model(remat), [], []
+    for chunk in (0, 4):  # the dense segment mask; blocks of 4
+        attention_blocks(chunk)
+        logits.append(jax.jit(lambda p: model.forward(m, p, tokens, seg))(params))
+        grads.append(jax.jit(jax.grad(_loss(m, tokens, real)))(params))
     np.testing.assert_allclose(logits[1][real], logits[0][real], atol=1e-5)
     # each segment alone, as a row of its own, gives the same logits (positions restart)
-    alone = jax.jit(lambda p, t: model.forward(whole, p, t, np.ones(t.shape, bool)))(params, tokens[:1, 7:12])
+    alone = jax.jit(lambda p, t: model.forward(m, p, t, np.ones(t.shape, bool)))(params, tokens[:1, 7:12])
     np.testing.assert_allclose(logits[1][0, 7:12], alone[0], atol=1e-5)
-    grads = [jax.jit(jax.grad(_loss(m, tokens, real)))(params) for m in (whole, blocked)]
     for g0, g1 in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
         np.testing.assert_allclose(g1, g0, atol=1e-5, rtol=1e-4)
     assert max(float(np.abs(g).max()) for g in jax.tree.leaves(grads[0])) > 1e-2

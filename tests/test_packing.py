@@ -1,15 +1,14 @@
 """Packed rows: the host layout by hand, and the packed log-probs, loss and gradients equal to the
 padded ones (f32)."""
 
-import dataclasses
 import functools
 
 import jax
 import numpy as np
 import pytest
-from test_train_step import CFG, FAST_COMPILE, MODEL, init, loss_cfg, rollout, single_mesh
+from test_train_step import FAST_COMPILE, MODEL, init, loss_cfg, rollout, single_mesh
 
-from dapo_jax import logprobs, model, objective, packing
+from dapo_jax import logprobs, objective, packing
 from dapo_jax import train_step as ts
 
 
@@ -49,7 +48,7 @@ def test_pack_segments_and_unpack_by_hand():
 
 
 # packed rows' attention: the dense segment mask, or blocks of 4 of 16 columns (`blocked_attention`)
-BLOCKED = model.Transformer(dataclasses.replace(CFG, attention_chunk=4))
+BLOCKS = pytest.mark.parametrize("chunk", [0, 4], ids=["dense", "blocked"])
 
 
 def _packed(r: ts.Rollout, num_mini_batches=1, rows_multiple=2):
@@ -57,8 +56,8 @@ def _packed(r: ts.Rollout, num_mini_batches=1, rows_multiple=2):
     return p, ts.Rollout(*packing.pack_rows(p, r.tokens_BxT, r.loss_mask_BxT, r.adv_B))
 
 
-@pytest.mark.parametrize("packed_model", [MODEL, BLOCKED], ids=["dense", "blocked"])
-def test_packed_logprobs_unpack_to_the_padded_ones(packed_model):
+@BLOCKS
+def test_packed_logprobs_unpack_to_the_padded_ones(chunk, attention_blocks):
     params, r = init(single_mesh()), rollout()
     p, packed = _packed(r)
     assert p.num_rows < len(r.adv_B)  # 8 rows of 16 columns in fewer
@@ -67,18 +66,19 @@ def test_packed_logprobs_unpack_to_the_padded_ones(packed_model):
         compiler_options=FAST_COMPILE,
     )
     padded = np.asarray(logprobs_of(MODEL)(params, r.tokens_BxT, r.mask_BxT))
-    got = packing.unpack(p, np.asarray(logprobs_of(packed_model)(params, packed.tokens_BxT, packed.mask_BxT)))
+    attention_blocks(chunk)
+    got = packing.unpack(p, np.asarray(logprobs_of(MODEL)(params, packed.tokens_BxT, packed.mask_BxT)))
     on = r.loss_mask_BxT
     np.testing.assert_allclose(got[on], padded[on], rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize(
-    "agg_mode, packed_model",
-    [("token-mean", MODEL), ("token-mean", BLOCKED)]
-    + [pytest.param(m, MODEL, marks=pytest.mark.slow) for m in ("seq-mean-token-mean", "seq-mean-token-sum")],
+    "agg_mode, chunk",
+    [("token-mean", 0), ("token-mean", 4)]
+    + [pytest.param(m, 0, marks=pytest.mark.slow) for m in ("seq-mean-token-mean", "seq-mean-token-sum")],
     ids=["token-mean-dense", "token-mean-blocked", "seq-mean-token-mean", "seq-mean-token-sum"],
 )
-def test_packed_loss_and_gradients_equal_the_padded_ones(agg_mode, packed_model):
+def test_packed_loss_and_gradients_equal_the_padded_ones(agg_mode, chunk, attention_blocks):
     params, r = init(single_mesh()), rollout()
     noise = np.random.default_rng(1).normal(0, 0.3, (2, *r.tokens_BxT.shape)).astype(np.float32)
     logp = jax.jit(
@@ -95,7 +95,8 @@ def test_packed_loss_and_gradients_equal_the_padded_ones(agg_mode, packed_model)
         compiler_options=FAST_COMPILE,
     )
     g_pad, m_pad = grads_of(MODEL)(params, padded, 1)
-    g_pack, m_pack = grads_of(packed_model)(params, packed, 2)  # and in 2 micro-batches of packed rows
+    attention_blocks(chunk)
+    g_pack, m_pack = grads_of(MODEL)(params, packed, 2)  # and in 2 micro-batches of packed rows
     assert m_pad["pg_clipfrac_upper"] > 0
     for k in m_pad:
         np.testing.assert_allclose(m_pack[k], m_pad[k], rtol=1e-5, atol=1e-6, err_msg=k)

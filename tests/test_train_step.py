@@ -164,13 +164,13 @@ def test_detached_old_logp_is_the_recomputed_one_and_measures_the_sampler():
 
 
 @functools.cache  # one compilation per setting, shared by the tests
-def make_step(mesh, micro_rows=4, m=MODEL):
+def make_step(mesh, micro_rows=4):
     """Micro-batches of `micro_rows` rows (two of `single_device_batch`'s padded ones)."""
     # eps = 1 makes Adam's first update ~ lr * g / (|g| + 1): smooth in g, so that float noise
     # in a near-zero gradient cannot flip the sign of an update as g / |g| would.
     schedule = ts.learning_rate_schedule(0.1, 0, "constant")
     opt = ts.make_optimizer(schedule, weight_decay=0.1, grad_clip=1e3, eps=1.0)
-    return opt, ts.make_train_step(m, opt, schedule, loss_cfg(), mesh, micro_rows)
+    return opt, ts.make_train_step(MODEL, opt, schedule, loss_cfg(), mesh, micro_rows)
 
 
 @pytest.mark.slow
@@ -215,11 +215,10 @@ def test_sharded_step_equals_single_device(axes):
     "axes, chunk",
     [({"data": 2, "fsdp": 2, "tensor": 2}, 0), ({"data": 2}, 0), ({"data": 2, "fsdp": 2, "tensor": 2}, 4)],
 )
-def test_packed_sharded_step_and_logprobs_equal_the_padded_single_device_ones(axes, chunk):
+def test_packed_sharded_step_and_logprobs_equal_the_padded_single_device_ones(axes, chunk, attention_blocks):
     # The mini-batch packed (dapo_jax.packing) into rows split over a sharded mesh, against the
     # padded rows' scan on one device: the same update and, unpacked, the same log-probs. The
     # packed rows' attention: the dense segment mask, or blocks of 4 (`blocked_attention`).
-    packed_model = model.Transformer(dataclasses.replace(CFG, attention_chunk=chunk))
     single = single_mesh()
     params0 = init(single)
     batch = single_device_batch()
@@ -235,17 +234,16 @@ def test_packed_sharded_step_and_logprobs_equal_the_padded_single_device_ones(ax
     )
     mesh = sharding.make_mesh(axes, devices=jax.devices()[: np.prod(list(axes.values()))])
     params8 = jax.device_put(jax.tree.map(np.asarray, params0), sharding.param_shardings(MODEL, mesh))
-    opt8, packed_step = make_step(mesh, micro_rows=d, m=packed_model)
-    state8, m8 = packed_step(ts.init_train_state(packed_model, opt8, mesh, params8), packed)
+    attention_blocks(chunk)
+    opt8, packed_step = make_step(mesh, micro_rows=d)
+    state8, m8 = packed_step(ts.init_train_state(MODEL, opt8, mesh, params8), packed)
     assert set(m8) == set(m1)
     for k in m1:
         np.testing.assert_allclose(m8[k], m1[k], rtol=1e-5, atol=1e-7, err_msg=k)
     for a, b in zip(jax.tree.leaves(state8), jax.tree.leaves(state1)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
     r = rollout()
-    logp = logprobs.make_compute_logprobs(packed_model, mesh, 0.7, d)(
-        params8, packed.tokens_BxT, packed.mask_BxT
-    )
+    logp = logprobs.make_compute_logprobs(MODEL, mesh, 0.7, d)(params8, packed.tokens_BxT, packed.mask_BxT)
     full = logprobs.make_compute_logprobs(MODEL, single, 0.7, 8)(params0, r.tokens_BxT, r.mask_BxT)
     on = np.asarray(r.loss_mask_BxT)
     np.testing.assert_allclose(
