@@ -50,7 +50,6 @@ def model(**values) -> ml_collections.ConfigDict:
         # each decoder layer rematerialised in the backward pass, keeping what this
         # jax.checkpoint_policies policy saves
         remat=Spec(str, choices=model_lib.REMAT_POLICIES, none="off"),
-        logits_chunk=Spec(int, POSITIVE, none="one block"),  # tokens per block of LM head + log-softmax
     )
 
 

@@ -30,8 +30,7 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
         dtype="bfloat16",
         param_dtype="float32",
         remat="nothing_saveable",  # each layer's input kept, the rest recomputed
-        logits_chunk=2048,
-    )  # LM head + log-softmax over 2048 x 152k, not 22k x 152k
+    )
     c.reference = common.reference(path=None)  # β = 0: no reference model is loaded or run
     c.mesh = common.mesh(data=1, fsdp=-1, tensor=8)  # v5p-128: 64 chips = fsdp 8 x tensor 8 (aot.py)
     c.data = common.data(
@@ -163,7 +162,6 @@ def tiny() -> ml_collections.ConfigDict:
         dtype="float32",
         param_dtype="float32",
         remat=None,
-        logits_chunk=None,
     )
     c.reference = common.reference(path=None)  # β = 0: no reference model is loaded or run
     c.mesh = common.mesh(data=-1, fsdp=1, tensor=1)
@@ -253,8 +251,6 @@ def smollm2_135m() -> ml_collections.ConfigDict:
     c.model.path = common.SMOLLM2_MODEL
     # f32 compute (tiny's): in bf16 the model's whole forward was not faster on this CPU
     # (experiments/results/smollm2/README.md)
-    c.model.logits_chunk = 512  # LM head + log-softmax over 512 x 49,152 at a time (the first
-    # trial, without: 13.7 GiB resident)
     c.data.train_files = (common.SMOLLM2_TRAIN,)
     c.data.eval_files = (common.SMOLLM2_TEST,)
     c.data.prompt_template = "{problem}"  # the model's own answer style, the chat template around it

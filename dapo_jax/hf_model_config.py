@@ -179,7 +179,7 @@ def config_from_hf(
         dtype=dtype,
         param_dtype=param_dtype,
         remat=remat,
-        **numerics,  # scan_layers, logits_chunk, transposed_keys
+        **numerics,  # scan_layers, transposed_keys
     )
 
 

@@ -16,6 +16,17 @@ import jax.numpy as jnp
 from dapo_jax import model as model_lib
 from dapo_jax import objective, sharding
 
+# A block of LM head logits holds at most this many a row (f32: 2 GiB)
+BLOCK_LOGITS = 2**29
+
+
+def logits_block(t: int, v: int) -> int:
+    """C, the tokens per block of the LM head and log-softmax over T tokens and a vocabulary of V:
+    all T while a row's T x V logits fit `BLOCK_LOGITS` (2^29), else the largest power of two
+    with C x V <= 2^29. At Qwen2.5's V = 152,064 and T = 22,528 that is 2048 (2^29 / 152,064 =
+    3530.6): 2048 x 152,064 logits a block, not 22,528 x 152,064 (~13 GB in f32)."""
+    return model_lib.block_size(t, v, BLOCK_LOGITS)
+
 
 def split_micro(x, n: int):
     """[B, ...] -> [n, B / n, ...]; micro-batch k holds rows k, k + n, ..., so that each one is
@@ -56,11 +67,11 @@ def chunked_logp_and_entropy(
     x_BxTxD,
     targets_BxT,
     temperature: float,
-    chunk: int | None,
+    chunk: int,
     remat: bool = True,
 ):
     """`objective.token_logp_and_entropy` of the logits `lm_head(x)`, computed over blocks of
-    `chunk` tokens (one block when T <= chunk or chunk is None). Each block's B x chunk x V logits
+    `chunk` tokens (one block when T <= chunk). Each block's B x chunk x V logits
     are made, reduced to log p and H and dropped; with `remat` they are recomputed in the backward
     pass, which then also holds one block's logits at a time, not T x V of them (~13 GB of f32
     logits per 20k-token sequence at Qwen's 152k vocabulary)."""
@@ -72,7 +83,7 @@ def chunked_logp_and_entropy(
         return objective.token_logp_and_entropy(logits_bxCxV, targets_bxC, temperature)
 
     b, t, d = x_BxTxD.shape
-    if not chunk or t <= chunk:
+    if t <= chunk:
         return block(x_BxTxD, targets_BxT)
     n = -(-t // chunk)
     pad = ((0, 0), (0, n * chunk - t))  # padded tokens' values are dropped
@@ -86,11 +97,12 @@ def chunked_logp_and_entropy(
 
 def model_logp_and_entropy(model, params, tokens_BxT, mask_BxT, temperature: float):
     """`shifted_logp_and_entropy` of the model's teacher-forced pass, the LM head and log-softmax
-    over blocks of `model.config.logits_chunk` tokens (`chunked_logp_and_entropy`)."""
+    over blocks of `logits_block(T, V)` tokens (`chunked_logp_and_entropy`)."""
     x_BxTxD = model_lib.forward_hidden(model, params, tokens_BxT, mask_BxT)
     next_BxT = jnp.roll(tokens_BxT, -1, axis=1)
+    chunk = logits_block(tokens_BxT.shape[1], model.config.vocab_size)
     logp_BxT, entropy_BxT = chunked_logp_and_entropy(
-        model.config, params, x_BxTxD, next_BxT, temperature, model.config.logits_chunk
+        model.config, params, x_BxTxD, next_BxT, temperature, chunk
     )
     shift = lambda x_BxT: jnp.pad(x_BxT[:, :-1], ((0, 0), (1, 0)))
     return shift(logp_BxT), shift(entropy_BxT)

@@ -49,14 +49,21 @@ REMAT_POLICIES = (
 )
 
 
+def block_size(t: int, per_item: int, budget: int) -> int:
+    """C, the items per block of an axis of T items that each take `per_item` elements: all T
+    when T x per_item <= budget, else the largest power of two with C x per_item <= budget (1 at
+    least)."""
+    if t * per_item <= budget:
+        return t
+    return 1 << max((budget // per_item).bit_length() - 1, 0)
+
+
 def attention_block(t: int, s: int) -> int:
     """C, the queries per block of a multi-token attention of T queries over S keys (S = T without
     a cache): all T when a row's T x S scores a head fit `BLOCK_SCORES` (2^25), else the largest
     power of two with C x S <= 2^25. At Qwen2.5-32B's T = S = 2048 + 20480 = 22,528 that is
     1024 (2^25 / 22,528 = 1489.5): a layer's scores 1024 x 22,528 a block, not 22,528^2."""
-    if t * s <= BLOCK_SCORES:
-        return t
-    return 1 << max((BLOCK_SCORES // s).bit_length() - 1, 0)
+    return block_size(t, s, BLOCK_SCORES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +90,6 @@ class ModelConfig:
     # policy saves (one of REMAT_POLICIES); None: no rematerialisation
     remat: str | None = None
     scan_layers: bool = False  # one compiled layer body (nn.scan), params stacked on "layers"
-    logits_chunk: int | None = None  # tokens per block of LM head + log-softmax in the trainer (None: 1)
     transposed_keys: bool = False  # cached keys as [B, K, E, S] (`KVCache`), for XLA:CPU's decode
 
     @property

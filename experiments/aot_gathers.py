@@ -34,7 +34,6 @@ CFG = model.ModelConfig(
     qkv_bias=True,
     remat="nothing_saveable",
     scan_layers=True,
-    logits_chunk=512,
 )
 ROWS, T, MICRO = 32, 2048, 2
 _OP = re.compile(r"= \(?([a-z0-9]+)\[([0-9,]*)\][^=]*? (all-gather|reduce-scatter|all-reduce)(-start)?\(")

@@ -127,12 +127,25 @@ def test_chunked_logp_entropy_and_gradients_equal_unchunked():
         return jnp.sum(logp * jnp.arange(37)) + jnp.sum(entropy), (logp, entropy)
 
     grads = jax.grad(value, argnums=(0, 1), has_aux=True)
-    g_full, _ = grads(params, x_BxTxD, 0)
+    g_full, _ = grads(params, x_BxTxD, 37)  # one block
     for chunk in (8, 16):
         got = value(params, x_BxTxD, chunk)[1]
         _close(got[0], want[0])
         _close(got[1], want[1])
         jax.tree.map(_close, grads(params, x_BxTxD, chunk)[0], g_full)
+
+
+def test_logits_block_by_hand():
+    """All T tokens while a row's T x V logits fit in 2^29, else the largest power of two C with
+    C x V <= 2^29 (at least 1)."""
+    assert logprobs.BLOCK_LOGITS == 536_870_912
+    # Qwen2.5-32B: V = 152,064, T = 2048 + 20480 = 22,528; 2^29 / 152,064 = 3530.6 -> 2048
+    assert logprobs.logits_block(22_528, 152_064) == 2048
+    # SmolLM2-135M: V = 49,152, T = 72 + 64 = 136, 6,684,672 logits: one block
+    assert logprobs.logits_block(136, 49_152) == 136
+    # 10,922 x 49,152 = 536,838,144 fits; 10,923 x 49,152 = 536,887,296 does not -> 8192
+    assert (logprobs.logits_block(10_922, 49_152), logprobs.logits_block(10_923, 49_152)) == (10_922, 8192)
+    assert logprobs.logits_block(4, 2**30) == 1  # a row past the budget alone: one token a block
 
 
 def _temp_bytes(chunk, remat=True):
@@ -149,7 +162,7 @@ def _temp_bytes(chunk, remat=True):
 @pytest.mark.slow
 def test_chunked_backward_holds_one_chunk_of_logits():
     full_logits = 2 * 256 * 4096 * 4  # B x T x V f32: 8 MiB (XLA:CPU held 4 such arrays)
-    unchunked, chunked, no_remat = _temp_bytes(0), _temp_bytes(32), _temp_bytes(32, remat=False)
+    unchunked, chunked, no_remat = _temp_bytes(256), _temp_bytes(32), _temp_bytes(32, remat=False)
     assert unchunked >= 2 * full_logits
     assert chunked < full_logits / 1.5  # 32 of 256 tokens: ~1/8 of the unchunked
     assert no_remat >= 2 * full_logits  # without remat each chunk's residuals stay: T x V again
