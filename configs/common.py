@@ -172,7 +172,6 @@ def train(**values) -> ml_collections.ConfigDict:
         train_batch_prompts=Spec(int, POSITIVE),  # P groups per step (after dynamic sampling)
         mini_batch_prompts=Spec(int, POSITIVE),  # groups per update: P / this many updates a step
         micro_batch_size=Spec(int, POSITIVE),  # packed rows (dapo_jax.packing) per micro-batch
-        length_bucket=Spec(int, POSITIVE),  # train on responses cut to a multiple of this length
         # stop (with a checkpoint) after this many skipped updates
         max_consecutive_nonfinite=Spec(int, POSITIVE),
     )

@@ -82,7 +82,6 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
         train_batch_prompts=512,  # P groups per step (after dynamic sampling)
         mini_batch_prompts=32,  # 32 x 16 = 512 responses: 16 updates per step
         micro_batch_size=16,  # packed rows per micro-batch: at 32, 0.5 GiB past v5p's HBM
-        length_bucket=2048,  # train on responses cut to a multiple of this length
         max_consecutive_nonfinite=5,  # stop (with a checkpoint) after this many skipped updates
     )
     # every: steps between checkpoints; every_minutes: also after a step when that much wall clock
@@ -208,7 +207,6 @@ def tiny() -> ml_collections.ConfigDict:
         train_batch_prompts=32,  # P groups per step (after dynamic sampling)
         mini_batch_prompts=8,  # 8 x 8 = 64 responses: 4 updates per step
         micro_batch_size=16,  # packed rows (dapo_jax.packing) per gradient-accumulation micro-batch
-        length_bucket=16,  # train on responses cut to a multiple of this length
         max_consecutive_nonfinite=5,  # stop (with a checkpoint) after this many skipped updates
     )
     c.checkpoint = common.checkpoint(every=5, every_minutes=30.0, keep=3)

@@ -83,11 +83,13 @@ class Assembled(NamedTuple):
 
 
 def assemble(batch: TrainBatch, c: ml_collections.ConfigDict, mesh) -> Assembled:
-    """The train batch's arrays under the config's train.length_bucket and its mini- and
+    """The train batch's arrays cut to widths of the run's length bucket
+    (`train_step.length_bucket` of the longest prompt bucket + L_max), in its mini- and
     micro-batch sizes, packed and placed on `mesh`."""
     t = c.train
-    host = host_rollout(batch, c.rollout.group_size, c.loss.normalize_std, t.length_bucket)
+    bucket = train_step.length_bucket(max(c.data.prompt_buckets) + c.rollout.max_new_tokens)
+    host = host_rollout(batch, c.rollout.group_size, c.loss.normalize_std, bucket)
     layout = packing.plan(host.mask_BxT, t.train_batch_prompts // t.mini_batch_prompts, t.micro_batch_size)
     packed = train_step.Rollout(*packing.pack_rows(layout, host.tokens_BxT, host.loss_mask_BxT, host.adv_B))
     device = train_step.Rollout(*(to_device(x, mesh) for x in packed))
-    return Assembled(host, device, layout, prompt_width(batch, t.length_bucket))
+    return Assembled(host, device, layout, prompt_width(batch, bucket))

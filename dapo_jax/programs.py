@@ -217,7 +217,9 @@ class ProgramSizes(NamedTuple):
 
 def program_sizes(c: ml_collections.ConfigDict) -> ProgramSizes:
     g, t = c.rollout.group_size, c.train
-    length = -(-(max(c.data.prompt_buckets) + c.rollout.max_new_tokens) // t.length_bucket) * t.length_bucket
+    longest = max(c.data.prompt_buckets) + c.rollout.max_new_tokens
+    bucket = train_step.length_bucket(longest)
+    length = -(-longest // bucket) * bucket
     return ProgramSizes(
         train_rows=t.mini_batch_prompts * g,
         logprob_rows=t.train_batch_prompts * g,

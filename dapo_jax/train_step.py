@@ -297,6 +297,18 @@ def make_train_step(model, optimizer, schedule, loss_cfg: LossConfig, mesh, micr
     return jitted if per_device else sharding.on_mesh(jitted, mesh)
 
 
+# The trained widths a run compiles at most: multiples of its length bucket up to Q + L_max
+MAX_WIDTHS = 16
+
+
+def length_bucket(longest: int) -> int:
+    """b, the step of the trained widths (`bucket_width`) for rows of at most `longest` = Q + L_max
+    tokens (the longest prompt bucket and response): the smallest power of two with
+    ceil(longest / b) <= `MAX_WIDTHS` (16). At the 32B config's 2048 + 20480 = 22,528:
+    22,528 / 16 = 1408, so b = 2048 and the widths are 2048, 4096, ..., 22,528 (11)."""
+    return 1 << (-(-longest // MAX_WIDTHS) - 1).bit_length()
+
+
 def bucket_width(needed: int, bucket: int, at_most: int) -> int:
     """`needed` columns (at least 1) rounded up to a multiple of `bucket`, at most `at_most`: the
     trained widths, so that few shapes compile."""

@@ -101,11 +101,10 @@ def attention_blocks(monkeypatch):
 WALL_CLOCK = ("timing/", "throughput/", "reward/")
 
 # A tiny DAPO config shrunk to test size: the ablation's QUICK sizes (their shapes divide the 8
-# fake devices), one step, one length bucket of 16, no evaluation, a checkpoint after the step.
+# fake devices), one step, no evaluation, a checkpoint after the step.
 SMALL = {
     **ablation.QUICK,
     "train.steps": 1,
-    "train.length_bucket": 16,
     "eval.at_start": False,
     "eval.every": None,
     "checkpoint.every": 1,

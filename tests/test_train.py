@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from configs import dapo
-from dapo_jax import assembly, checkpoint, metrics, rollout, step_metrics, train
+from dapo_jax import assembly, checkpoint, metrics, rollout, step_metrics, train, train_step
 from dapo_jax.records import TrainBatch
 
 from conftest import WALL_CLOCK, small, small_flags
@@ -241,6 +241,18 @@ def test_logp_agreement_measures_carried_groups_apart():
     fresh_only = step_metrics.logp_agreement(sampler_logp, 2, old_logp, loss_mask, np.zeros(4, bool))
     assert fresh_only["rollout/logp_diff_max"] == pytest.approx(0.5)
     assert "rollout/carried_logp_diff_mean" not in fresh_only
+
+
+def test_length_bucket_by_hand():
+    """The smallest power of two b that leaves at most 16 trained widths up to Q + L_max."""
+    assert train_step.MAX_WIDTHS == 16
+    # the 32B config: 2048 + 20480 = 22,528, / 16 = 1408 -> 2048: widths 2048, ..., 22,528 (11)
+    assert train_step.length_bucket(22_528) == 2048
+    # the tiny config: 48 + 96 = 144, / 16 = 9 -> 16: widths 16, ..., 144 (9)
+    assert train_step.length_bucket(144) == 16
+    # 256 is 16 widths of 16; 257 would need 17 of them, so 32 (9 widths)
+    assert (train_step.length_bucket(256), train_step.length_bucket(257)) == (16, 32)
+    assert train_step.length_bucket(1) == 1
 
 
 def test_rollout_masks_filtered_and_missing_rows_and_cuts_to_the_length_bucket():

@@ -122,6 +122,8 @@ def main():
                 )
     import jax  # pylint: disable=import-outside-toplevel
 
+    from dapo_jax import train_step  # pylint: disable=import-outside-toplevel
+
     settings = {
         "version": "dapo_jax (this checkout)",
         "jax": jax.__version__,
@@ -129,7 +131,7 @@ def main():
         "config": "configs/dapo.py:tiny + the workload's overrides",
         "overrides": spec.get("ours_overrides", {}),
         "micro_batch_size": c.train.micro_batch_size,
-        "length_bucket": c.train.length_bucket,
+        "length_bucket": train_step.length_bucket(max(c.data.prompt_buckets) + c.rollout.max_new_tokens),
         "matmul_gflops": matmul_gflops(),
     }
     workload.emit("ours", spec, steps, settings)
