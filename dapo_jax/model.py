@@ -246,19 +246,21 @@ def apply_rope(x_BxTxHxE: jax.Array, rope: Rope) -> jax.Array:
 
 def grouped_attention(q_BxTxKxRxE, kT_BxKxExS, v_BxKxSxE, attn_BxTxS, dtype):
     """softmax(q k^T / sqrt(E), masked) v for R query heads per kv head and T queries (a
-    teacher-forced pass or a prefill); scores in float32. Two 3-d batched dots over A = B x K rows
+    teacher-forced pass or a prefill); scores in float32. Two 3-d batched dots over A = K x B rows
     of O = R x T queries (`q_AxOxE`): XLA:CPU has no kernel for a bf16 dot with f32 accumulation
-    and two batch dimensions (the 5-d einsum), and runs the 3-d one."""
+    and two batch dimensions (the 5-d einsum), and runs the 3-d one. K leads A, so that KV heads
+    split over the tensor axis stay split in A when the rows are not (a data shard's prefill): B
+    x K made XLA hold every head's scores on each tensor shard (experiments/README.md)."""
     b, t, k, r, e = q_BxTxKxRxE.shape
     scale = 1.0 / math.sqrt(e)
-    q_AxOxE = q_BxTxKxRxE.transpose(0, 2, 3, 1, 4).reshape(b * k, r * t, e)
-    kT_AxExS = kT_BxKxExS.reshape(b * k, e, -1)
+    q_AxOxE = q_BxTxKxRxE.transpose(2, 0, 3, 1, 4).reshape(k * b, r * t, e)
+    kT_AxExS = kT_BxKxExS.swapaxes(0, 1).reshape(k * b, e, -1)
     scores_AxOxS = jnp.einsum("aoe,aes->aos", q_AxOxE, kT_AxExS, preferred_element_type=jnp.float32)
-    scores_BxKxRxTxS = scores_AxOxS.reshape(b, k, r, t, -1) * scale
-    scores = jnp.where(attn_BxTxS[:, None, None], scores_BxKxRxTxS, _NEG_INF)
-    probs_AxOxS = jax.nn.softmax(scores, axis=-1).astype(dtype).reshape(b * k, r * t, -1)
-    out_AxOxE = jnp.einsum("aos,ase->aoe", probs_AxOxS, v_BxKxSxE.reshape(b * k, -1, e))
-    return out_AxOxE.reshape(b, k, r, t, e).transpose(0, 3, 1, 2, 4)
+    scores_KxBxRxTxS = scores_AxOxS.reshape(k, b, r, t, -1) * scale
+    scores = jnp.where(attn_BxTxS[None, :, None], scores_KxBxRxTxS, _NEG_INF)
+    probs_AxOxS = jax.nn.softmax(scores, axis=-1).astype(dtype).reshape(k * b, r * t, -1)
+    out_AxOxE = jnp.einsum("aos,ase->aoe", probs_AxOxS, v_BxKxSxE.swapaxes(0, 1).reshape(k * b, -1, e))
+    return out_AxOxE.reshape(k, b, r, t, e).transpose(1, 3, 0, 2, 4)
 
 
 def decode_attention(q_BxKxRxE, cache: KVCache, attn_BxS, dtype, transposed_keys: bool):
