@@ -78,7 +78,9 @@ def data(**values) -> ml_collections.ConfigDict:
 
 
 def rollout(**values) -> ml_collections.ConfigDict:
-    """Sampling the G responses of each prompt (docs/dapo_spec.md section 7)."""
+    """Sampling the G responses of each prompt (docs/dapo_spec.md section 7). How is derived: the
+    sampler's mesh is data x the trainer's tensor axis (dapo_jax.programs), the engine's slots and
+    a call's prompts follow the chip's memory (dapo_jax.engine_plan)."""
     return section(
         values,
         group_size=Spec(int, POSITIVE),  # G responses per prompt
@@ -86,9 +88,6 @@ def rollout(**values) -> ml_collections.ConfigDict:
         top_p=Spec(float, "(0, 1]"),
         top_k=Spec(int, POSITIVE, none="all tokens"),
         max_new_tokens=Spec(int, POSITIVE),  # L_max
-        micro_batch_prompts=Spec(int, POSITIVE, none="a generation batch"),  # prompts decoded a call
-        decode_slots=Spec(int, POSITIVE, none="every row"),  # the engine's rows decoded at once
-        tensor_parallel=Spec(int, POSITIVE, none="the trainer's mesh"),  # the sampler's: data x tensor
         param_dtype=Spec(str, choices=("float32", "bfloat16"), none="model.param_dtype"),  # its weights
         dtype=Spec(str, choices=("float32", "bfloat16"), none="model.dtype"),  # its compute dtype
     )

@@ -48,16 +48,11 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
         top_p=1.0,
         top_k=None,
         max_new_tokens=20480,  # L_max
-        # The engine, continuous batching proper: a whole generation batch a call (192 prompts x
-        # 16 = 3,072 rows on each of the 8 data shards) decoded in 64 slots a shard, a row
-        # starting as one ends; the pool (pages of 16 slots) holds the prompts' pages and every
-        # slot at max_new_tokens (docs/tpu_32b_plan.md, the refill table).
-        micro_batch_prompts=None,
-        decode_slots=512,  # the engine's rows decoded at once, over all data shards (None: every row)
-        # the sampler's weights: bf16, tensor-parallel over 8 chips and replicated over the rest
-        # (fewer bytes per decoded token than the trainer's FSDP layout and no all-gather:
-        # `python -m dapo_jax.aot`, docs/tpu_32b_plan.md)
-        tensor_parallel=8,
+        # The engine, continuous batching proper, on data 8 x tensor 8 (the trainer's fsdp folded
+        # into data: no weight gathered per decoded token). Sized by the chip's memory
+        # (dapo_jax.engine_plan): a whole generation batch a call (192 prompts x 16 = 3,072 rows
+        # on each data shard) decoded in 64 slots a shard, a row starting as one ends
+        # (docs/tpu_32b_plan.md, the refill table). The sampler's weights in bf16:
         param_dtype="bfloat16",
         dtype=None,  # the sampler's compute dtype (None: the trainer's, model.dtype)
     )
@@ -114,14 +109,12 @@ def qwen2_5_32b() -> ml_collections.ConfigDict:
 def qwen2_5_32b_v5p64() -> ml_collections.ConfigDict:
     """The 32B run on v5p-64 (32 chips, 8 hosts of 4): fsdp 4 x tensor 8, the rollout on data 4 x
     tensor 8. Per chip the state is twice v5p-128's (11.5 GiB) and a batch's rows fall on half as
-    many chips, so the update's micro-batches are halved and the rollout decodes a generation
-    batch in two calls, to keep v5p-128's rows per chip: the same algorithm and batch, twice the
-    sequential work (docs/tpu_32b_plan.md)."""
+    many chips, so the update's micro-batches are halved, and the engine's plan (from the chip's
+    memory) decodes a generation batch in two calls of 192 prompts a shard: the same algorithm
+    and batch, twice the sequential work (docs/tpu_32b_plan.md)."""
     c = qwen2_5_32b()
     # the mesh is v5p-128's (data 1, fsdp -1, tensor 8): fsdp 4 on 32 chips
     c.train.micro_batch_size = 8  # at 16 the update needed ~101 GiB per chip
-    c.rollout.micro_batch_prompts = 768  # 192 prompts x 16 rows on each of the 4 data shards
-    c.rollout.decode_slots = 256  # 64 slots a shard
     return c
 
 
@@ -130,7 +123,6 @@ def qwen2_5_7b() -> ml_collections.ConfigDict:
     c = qwen2_5_32b()
     c.model.path = "/ckpt/Qwen2.5-7B"
     c.mesh.tensor = 4
-    c.rollout.tensor_parallel = 4
     c.train.micro_batch_size = 32  # at 64 the train step needed 96.2 GiB per v5p chip
     return c
 
@@ -142,7 +134,6 @@ def qwen3_8b() -> ml_collections.ConfigDict:
     c = qwen2_5_32b()
     c.model.path = "/ckpt/Qwen3-8B-Base"
     c.mesh.tensor = 4  # 8 KV heads: 2 on each tensor shard
-    c.rollout.tensor_parallel = 4
     c.train.micro_batch_size = 32
     return c
 
@@ -179,9 +170,6 @@ def tiny() -> ml_collections.ConfigDict:
         top_p=1.0,
         top_k=None,
         max_new_tokens=96,  # L_max; worked solutions take up to ~75 tokens
-        micro_batch_prompts=None,  # the whole generation batch at once
-        decode_slots=None,  # the engine's rows decoded at once, over all data shards (None: every row)
-        tensor_parallel=None,  # the sampler's mesh: data x tensor (None: the trainer's mesh and weights)
         param_dtype=None,  # the sampler's weight dtype (None: the trainer's)
         dtype=None,  # the sampler's compute dtype (None: the trainer's, model.dtype)
     )

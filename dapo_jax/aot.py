@@ -42,7 +42,7 @@ from ml_collections import config_flags
 from dapo_jax import config_checks, model, packing, programs, sharding, sizes, train_step
 from dapo_jax.aot_decode import decode_layouts
 from dapo_jax.aot_engine import engine_rows
-from dapo_jax.aot_report import check_fit, compile_timed, model_flops, program_flops, report_row
+from dapo_jax.aot_report import GIB, check_fit, compile_timed, model_flops, program_flops, report_row
 from dapo_jax.chips import CHIPS, topology_devices
 from dapo_jax.dapo_lengths import dapo_lengths
 from dapo_jax.errors import ConfigError, one_line_errors
@@ -60,7 +60,7 @@ def packed_shapes(c, s: programs.ProgramSizes) -> tuple[int, int]:
 def packed_inputs(p: programs.Programs, c, cfg: model.ModelConfig) -> dict:
     """`{name: (Lowerable, FLOPs)}` of `train_packed` and `logprobs_packed`: the run's train step
     and log-prob pass on the packed rows of a `dapo_lengths` batch."""
-    s, step, logprobs = programs.program_sizes(c), p.train_step, p.logprobs_fn
+    s, step, logprobs = p.sizes, p.train_step, p.logprobs_fn
     train_rows, logprob_rows = packed_shapes(c, s)
 
     def rows(n, dtype):
@@ -99,14 +99,15 @@ def analyse(c, topology: str, hbm_gib: float | None, names) -> tuple[list[dict],
     chip = CHIPS[kind]
     hbm_gib = chip.hbm_gib if hbm_gib is None else hbm_gib
     cfg = model_config(c)
-    p = programs.build(c, cfg, (0,), 0, devices)
+    p = programs.build(c, cfg, (0,), 0, devices, hbm_gib * GIB)
     print(
         f"{topology}: {len(devices)} chips, mesh {dict(p.mesh.shape)}, rollout mesh "
         f"{dict(p.rollout_mesh.shape)} in {p.rollout_model.config.param_dtype}, "
-        f"{cfg.num_params() / 1e9:.2f}B params, compute {cfg.dtype}, {programs.program_sizes(c)}",
+        f"{cfg.num_params() / 1e9:.2f}B params, compute {cfg.dtype}, {p.sizes}, the engine's slots "
+        f"(engine_plan): {p.sampler.config.decode_slots} (eval {p.eval_sampler.config.decode_slots})",
         flush=True,
     )
-    inputs, flops = programs.abstract_inputs(p, c), program_flops(cfg, c)
+    inputs, flops = programs.abstract_inputs(p, c), program_flops(cfg, c, p.sizes)
     if {"train_packed", "logprobs_packed"} & set(names):
         for name, (lowerable, count) in packed_inputs(p, c, cfg).items():
             inputs[name], flops[name] = lowerable, count

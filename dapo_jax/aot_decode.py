@@ -56,7 +56,7 @@ def decode_layouts(cfg, c, mesh, devices, chip: Chip) -> list[dict]:
     """The KV cache, and the bytes per decoded token under the trainer's layout (its mesh, f32
     FSDP weights all-gathered every step) and a tensor-parallel rollout layout (bf16 weights
     over `tensor` chips only, replicated across data groups)."""
-    s, new_tokens = programs.program_sizes(c), c.rollout.max_new_tokens
+    s, new_tokens = programs.program_sizes(c, None, None), c.rollout.max_new_tokens
     rows, slots = s.rollout_prompts * s.group, s.prompt_len + new_tokens
     kv_bytes = 2 * cfg.num_layers * rows * cfg.num_kv_heads * slots * cfg.head_dim * 2
     n, tp = len(devices), mesh.shape["tensor"]

@@ -24,8 +24,8 @@ def engine_rows(c, cfg: model.ModelConfig, devices, chip: Chip, hbm_gib: float) 
     - `engine_step`: one decode step's bytes (`_step_bytes`) against the roofline; where the model
       runs the Pallas kernel (a TPU mesh), plus the pages the kernel fetches
       (`EngineCount.kernel_pairs`: its DMAs, which no count of the compiled program sees)."""
-    paged, p, sh, count, response_B = _engine_count(c, cfg, devices)
-    s, geo, tensor = programs.program_sizes(paged), sh.geometry, p.rollout_mesh.shape["tensor"]
+    paged, p, sh, count, response_B = _engine_count(c, cfg, devices, hbm_gib)
+    s, geo, tensor = p.sizes, sh.geometry, p.rollout_mesh.shape["tensor"]
     flops = model_flops(cfg, s.rollout_prompts * s.prompt_len, s.prompt_len / 2)
     decode_flops = model_flops(cfg, count.tokens * sh.shards, count.pairs * geo.page_size / count.tokens)
     rows, whole = _engine_programs(p, paged, devices, chip, hbm_gib, flops, decode_flops)
@@ -67,14 +67,14 @@ def engine_rows(c, cfg: model.ModelConfig, devices, chip: Chip, hbm_gib: float) 
     return [*rows, row]
 
 
-def _engine_count(c, cfg: model.ModelConfig, devices):
+def _engine_count(c, cfg: model.ModelConfig, devices, hbm_gib: float):
     """`(config, programs, shard, count, response_B)`: `c` with the engine (`cpu_variants` off), its programs
     on `devices`, a data shard's sizes (`engine_cost.shard`) and the hand count of its decode at
     DAPO's lengths (`dapo_rows`, `engine_cost.engine_count`)."""
     paged = c.copy_and_resolve_references()
     paged.cpu_variants = False
-    p = programs.build(paged, cfg, (0,), 0, devices)
-    sh, s = engine_cost.shard(p, paged), programs.program_sizes(paged)
+    p = programs.build(paged, cfg, (0,), 0, devices, hbm_gib * GIB)
+    sh, s = engine_cost.shard(p, paged), p.sizes
     geo, tensor = sh.geometry, p.rollout_mesh.shape["tensor"]
     prompt_B, response_B = dapo_rows(geo.rows, s.prompt_len, paged.rollout.max_new_tokens)
     block = min(paged_attention.KERNEL_BLOCK_PAGES, geo.table_pages)

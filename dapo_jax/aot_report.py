@@ -20,11 +20,11 @@ def model_flops(cfg: model.ModelConfig, tokens: int, context: float) -> float:
     return tokens * (2 * weights + attention)
 
 
-def program_flops(cfg: model.ModelConfig, c) -> dict[str, float]:
+def program_flops(cfg: model.ModelConfig, c, s: programs.ProgramSizes) -> dict[str, float]:
     """Each program's FLOPs over the whole slice, counted by hand: the train step's forward,
     backward (2x) and remat's second forward over a mini-batch; the log-prob pass's forward over
-    a rollout batch; a sampler's prefill of its prompts and its decode of every row to L_max."""
-    s = programs.program_sizes(c)
+    a rollout batch; a sampler's prefill of its prompts and its decode of every row to L_max,
+    at the sizes `s`."""
     passes = 4 if cfg.remat else 3
 
     def sampler(prompts, n):

@@ -91,7 +91,7 @@ class Shard(NamedTuple):
 def shard(p: programs.Programs, c) -> Shard:
     """The engine each data x fsdp shard runs for one rollout micro-batch (`Sampler` with
     the engine: a loop per shard on its P / d prompts and decode_slots / d slots)."""
-    s, mesh = programs.program_sizes(c), p.rollout_mesh
+    s, mesh = p.sizes, p.rollout_mesh
     d = mesh.shape["data"] * mesh.shape["fsdp"]
     config = dataclasses.replace(p.sampler.config.for_shard(d), paged=True)
     prompts = sizes.padded_count(s.rollout_prompts, d) // d
@@ -105,7 +105,7 @@ def step_program(p: programs.Programs, c, layers: int) -> programs.Lowerable:
     the state donated."""
     mesh, sh = p.rollout_mesh, shard(p, c)
     m = model.Transformer(dataclasses.replace(p.rollout_model.config, num_layers=layers, scan_layers=False))
-    group, geo, n_new = programs.program_sizes(c).group, sh.geometry, sh.config.max_new_tokens
+    group, geo, n_new = p.sizes.group, sh.geometry, sh.config.max_new_tokens
     raw = jax.eval_shape(
         lambda: engine.initial_state(
             engine.empty_pool(m.config, geo.pool_pages, geo.page_size), geo, n_new, 0
@@ -142,7 +142,7 @@ def step_program(p: programs.Programs, c, layers: int) -> programs.Lowerable:
 def prefill_program(p: programs.Programs, c) -> programs.Lowerable:
     """The engine's prefill (`engine.prefill_pages`: the pool, the prompts' pages filled) of
     every data shard on its P / d prompts, the rollout model as configured."""
-    mesh, sh, s = p.rollout_mesh, shard(p, c), programs.program_sizes(c)
+    mesh, sh, s = p.rollout_mesh, shard(p, c), p.sizes
     m, rows = p.rollout_model, NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
 
     def per_shard(params, prompt_PxQ, mask_PxQ, _, __):

@@ -2,16 +2,16 @@
 each: `run.build` (train, evaluate, export) and the AOT check (`aot.py`) take them from here, so
 that the AOT check compiles exactly the programs a run compiles.
 
-- the trainer's mesh (`config.mesh`) and the rollout's: the trainer's, or with
-  `rollout.tensor_parallel` = N a data x N-way tensor mesh (fsdp 1: no weight gathered per decoded
-  token) over the same devices;
+- the trainer's mesh (`config.mesh`) and the rollout's: data x the trainer's tensor axis over the
+  same devices (fsdp folded into data: no weight gathered per decoded token);
 - `train_step(state, mini-batch)`: one update, the state donated (trainer's mesh);
 - `logprobs_fn(params, tokens_BxT, mask_BxT)`: log pi_old of a rollout batch (trainer's mesh);
 - `rollout_weights(params)`: the trainer's params as the samplers' weights, cast to
   `rollout.param_dtype` by one compiled program, then moved onto the rollout's mesh;
-- `sampler` / `eval_sampler`: the rollout's program (`Sampler.program`: one micro-batch of
-  `rollout.micro_batch_prompts` x G rows) and the evaluation's (`eval.batch_prompts` x
-  `eval.samples` rows), on the rollout's mesh and dtypes.
+- `sampler` / `eval_sampler`: the rollout's program (`Sampler.program`: one call's prompts x G
+  rows) and the evaluation's (x `eval.samples` rows), on the rollout's mesh and dtypes; the
+  engine's slots and a call's prompts from the chip's memory (`engine_plan`), all at once
+  where it reports none (XLA:CPU) and with the fixed batch (`cpu_variants`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh
 
-from dapo_jax import logprobs, model, sharding, sizes, train_step
+from dapo_jax import engine_plan, logprobs, model, sharding, sizes, train_step
 from dapo_jax.decoding import SamplingConfig
 from dapo_jax.sampler import Sampler
 
@@ -47,6 +47,7 @@ class Programs:
     sampler: Sampler
     eval_sampler: Sampler
     cast: object  # jitted: trainer params -> rollout dtype on the trainer's mesh; None: as they lie
+    sizes: ProgramSizes  # the rows and lengths each program is compiled for
 
     def rollout_weights(self, params):
         """The samplers' weights made from the trainer's `params` (once per step): the same
@@ -59,13 +60,16 @@ class Programs:
     def abstract_state(self) -> train_step.TrainState:
         """The train state as ShapeDtypeStructs with their shardings (a checkpoint's restore
         target; the train step's first argument)."""
-        abstract = jax.eval_shape(
-            lambda p: train_step.TrainState(jnp.zeros((), jnp.int32), p, self.optimizer.init(p)),
-            sharding.abstract_params(self.model),
-        )
-        return sharding.with_shardings(
-            abstract, train_step.state_shardings(self.model, self.optimizer, self.mesh)
-        )
+        return abstract_state(self.model, self.optimizer, self.mesh)
+
+
+def abstract_state(m: model.Transformer, optimizer, mesh: Mesh) -> train_step.TrainState:
+    """The train state of `m` and `optimizer` on `mesh` as ShapeDtypeStructs with shardings."""
+    abstract = jax.eval_shape(
+        lambda p: train_step.TrainState(jnp.zeros((), jnp.int32), p, optimizer.init(p)),
+        sharding.abstract_params(m),
+    )
+    return sharding.with_shardings(abstract, train_step.state_shardings(m, optimizer, mesh))
 
 
 def learning_rate_schedule(c: ml_collections.ConfigDict):
@@ -127,17 +131,19 @@ def update_fns(c: ml_collections.ConfigDict, m: model.Transformer, mesh: Mesh):
 
 
 def rollout_layout(c: ml_collections.ConfigDict, m: model.Transformer, mesh: Mesh):
-    """`(model, mesh, cast)` of the samplers: the trainer's model, mesh and params as they lie
-    (cast None), or with `rollout.tensor_parallel` = N a mesh of data x N-way tensor (no fsdp)
-    over the trainer mesh's devices and weights in `rollout.param_dtype`, cast by one compiled
-    program. `rollout.dtype` sets the samplers' compute dtype apart from the trainer's (e.g. a
-    bf16 update, an f32 decode)."""
+    """`(model, mesh, cast)` of the samplers: where the trainer's mesh splits the weights over its
+    tensor axis alone (fsdp 1) and `rollout.param_dtype` is theirs, the trainer's model, mesh and
+    params as they lie (cast None); else a mesh of data x the trainer's tensor axis (its fsdp
+    folded into data: no weight gathered per decoded token) over the same devices and weights in
+    `rollout.param_dtype`, cast by one compiled program. `rollout.dtype` sets the samplers'
+    compute dtype apart from the trainer's (e.g. a bf16 update, an f32 decode)."""
     dtype = c.rollout.param_dtype or m.config.param_dtype
     config = dataclasses.replace(m.config, param_dtype=dtype, dtype=c.rollout.dtype or m.config.dtype)
-    if not c.rollout.tensor_parallel and dtype == m.config.param_dtype:
+    if mesh.shape["fsdp"] == 1 and dtype == m.config.param_dtype:
         return (m if config == m.config else model.Transformer(config)), mesh, None
-    tp = c.rollout.tensor_parallel or mesh.shape["tensor"]
-    rollout_mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": tp}, mesh.devices.flat)
+    rollout_mesh = sharding.make_mesh(
+        {"data": -1, "fsdp": 1, "tensor": mesh.shape["tensor"]}, mesh.devices.flat
+    )
     rollout_model = model.Transformer(dataclasses.replace(config, remat=None))
     shardings = sharding.param_shardings(m, mesh)
     weight_dtype = rollout_model.config.weight_dtype
@@ -157,7 +163,6 @@ def sampling_configs(c: ml_collections.ConfigDict, eos_ids: tuple[int, ...], pad
         pad_id=pad_id,
         prompt_buckets=tuple(c.data.prompt_buckets),
         top_k=c.rollout.top_k,
-        decode_slots=c.rollout.decode_slots,
         paged=not c.cpu_variants,
     )
     return (
@@ -172,14 +177,28 @@ def build(
     eos_ids: tuple[int, ...],
     pad_id: int,
     devices=None,
+    hbm: float | None = None,
 ) -> Programs:
     """The meshes over `devices` (default all) and the programs of config `c` for a model of
-    `config` (its numerics already the config's), sampling until one of `eos_ids`."""
+    `config` (its numerics already the config's), sampling until one of `eos_ids`; the engine
+    sized for chips of `hbm` bytes (None: unknown, every row at once)."""
     mesh = sharding.make_mesh(c.mesh, devices)
     m = model.Transformer(config)
     rollout_model, rollout_mesh, cast = rollout_layout(c, m, mesh)
     optimizer, step_fn, logprobs_fn = update_fns(c, m, mesh)
     rollout_sampling, eval_sampling = sampling_configs(c, eos_ids, pad_id)
+    held = [abstract_state(m, optimizer, mesh)]  # on a chip beside the engine's pool
+    held += [sharding.abstract_sharded_params(rollout_model, rollout_mesh)] if cast is not None else []
+    held += [sharding.abstract_sharded_params(m, mesh)] if c.loss.beta > 0 else []
+    sampler, eval_sampler = (
+        engine_plan.planned_sampler(
+            rollout_model, cfg, rollout_mesh, prompts, group, per_chip_bytes(held), hbm
+        )
+        for cfg, prompts, group in (
+            (rollout_sampling, c.filter.gen_batch_prompts, c.rollout.group_size),
+            (eval_sampling, c.eval.batch_prompts, c.eval.samples),
+        )
+    )
     return Programs(
         mesh=mesh,
         rollout_mesh=rollout_mesh,
@@ -188,9 +207,10 @@ def build(
         optimizer=optimizer,
         train_step=step_fn,
         logprobs_fn=logprobs_fn,
-        sampler=Sampler(rollout_model, rollout_sampling, rollout_mesh, c.rollout.micro_batch_prompts),
-        eval_sampler=Sampler(rollout_model, eval_sampling, rollout_mesh),
+        sampler=sampler,
+        eval_sampler=eval_sampler,
         cast=cast,
+        sizes=program_sizes(c, sampler.micro_batch_prompts, eval_sampler.micro_batch_prompts),
     )
 
 
@@ -209,13 +229,17 @@ class ProgramSizes(NamedTuple):
     logprob_rows: int  # one rollout batch: train_batch_prompts x G
     length: int  # T: the longest prompt bucket + L_max, rounded up to the length bucket
     prompt_len: int  # L: the longest prompt bucket
-    rollout_prompts: int  # one rollout micro-batch (rollout.micro_batch_prompts, or a generation batch)
+    rollout_prompts: int  # one rollout call: the engine's (engine_plan), or a generation batch
     group: int  # G
-    eval_prompts: int  # one eval batch: eval.batch_prompts
+    eval_prompts: int  # one eval call: the engine's, or eval.batch_prompts
     eval_samples: int  # n
 
 
-def program_sizes(c: ml_collections.ConfigDict) -> ProgramSizes:
+def program_sizes(
+    c: ml_collections.ConfigDict, rollout_call: int | None, eval_call: int | None
+) -> ProgramSizes:
+    """The sizes of config `c`, a rollout call of `rollout_call` prompts and an eval call of
+    `eval_call` (None: a whole generation batch, a whole eval batch)."""
     g, t = c.rollout.group_size, c.train
     longest = max(c.data.prompt_buckets) + c.rollout.max_new_tokens
     bucket = train_step.length_bucket(longest)
@@ -225,9 +249,9 @@ def program_sizes(c: ml_collections.ConfigDict) -> ProgramSizes:
         logprob_rows=t.train_batch_prompts * g,
         length=length,
         prompt_len=max(c.data.prompt_buckets),
-        rollout_prompts=c.rollout.micro_batch_prompts or c.filter.gen_batch_prompts,
+        rollout_prompts=min(rollout_call or c.filter.gen_batch_prompts, c.filter.gen_batch_prompts),
         group=g,
-        eval_prompts=c.eval.batch_prompts,
+        eval_prompts=min(eval_call or c.eval.batch_prompts, c.eval.batch_prompts),
         eval_samples=c.eval.samples,
     )
 
@@ -258,7 +282,7 @@ def abstract_inputs(p: Programs, c: ml_collections.ConfigDict) -> dict[str, Lowe
     The train step and log-prob pass at their most rows: every response at L_max, one a packed
     row (a packed batch's row count depends on its lengths: `aot.packed_inputs` compiles them
     on a synthetic one at DAPO's lengths)."""
-    s = program_sizes(c)
+    s = p.sizes
     state = p.abstract_state()
     ref = (sharding.abstract_sharded_params(p.model, p.mesh),) if c.loss.beta > 0 else ()
     moments = (state.opt_state,)

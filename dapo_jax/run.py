@@ -17,6 +17,7 @@ from absl import logging
 from dapo_jax import (
     data,
     dynamic_sampling,
+    engine_plan,
     hf_io,
     hf_model_config,
     host_memory,
@@ -141,7 +142,7 @@ def build(c: ml_collections.ConfigDict, workdir: str) -> Run:
     hf_model_config.check_vocab(mcfg, tokenizer, os.path.join(c.model.path, "config.json"))
     eos = tuple(sorted({tokenizer.eos_token_id, *_ids(hf_config.get("eos_token_id"))}))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    p = programs.build(c, mcfg, eos, pad)
+    p = programs.build(c, mcfg, eos, pad, hbm=engine_plan.device_hbm(jax.local_devices()[0]))
     overlong = ("overlong_buffer", "overlong_factor", "overlong_penalty", "overlong_filter")
     shaping = rollout.RewardShaping(c.rollout.max_new_tokens, **{k: c.reward[k] for k in overlong})
     eval_examples = _load_prompts(c.data.eval_files, tokenizer, c, dedup=True)

@@ -1,7 +1,7 @@
 """Row counts against the mesh, in one place: which sizes are padded and which are checked.
 
-A batch axis of d devices (the mesh's data x fsdp axes; the sampler's mesh's with
-`rollout.tensor_parallel`) holds a number of rows that is a multiple of d. Two cases:
+A batch axis of d devices (the mesh's data x fsdp axes; the sampler's data axis, as wide) holds
+a number of rows that is a multiple of d. Two cases:
 
 - Padded, exactly. The sampler's rows are independent of one another (each row's samples
   depend on its prompt and key alone), so any number of prompts P and responses n works: the
@@ -9,13 +9,13 @@ A batch axis of d devices (the mesh's data x fsdp axes; the sampler's mesh's wit
   one (`pad_rows`), whose rows are dropped before any score, metric or loss sees them. This
   covers every generation batch (`filter.gen_batch_prompts` x `rollout.group_size`), every
   evaluation (`eval.samples`, `eval.batch_prompts`, `eval.max_problems`, any number of
-  problems) and `rollout.micro_batch_prompts`.
+  problems) and the engine's calls (`engine_plan`).
 - Checked before anything compiles. The trainer's batch is cut into mini-batches of prompts
   and micro-batches of rows by the config; a row count that does not split over the devices
   would need empty rows trained on in every update (or a different split), where the nearest
   sizes that fit cost nothing. `check_batch_sizes` names the key, its value, the device count
   and the nearest values that work, in one line (`ConfigError`). The log-prob pass runs on the
-  train batch, so the same checks cover it. The engine's `rollout.decode_slots` (rows decoded
+  train batch, so the same checks cover it. A sampler's `decode_slots` (the engine's rows decoded
   at once) is checked the same way (`check_decode_slots`).
 """
 
@@ -31,11 +31,11 @@ from dapo_jax.sharding import mesh_shape
 
 
 class BatchAxes(NamedTuple):
-    """How many devices split a batch's rows: d_t (the trainer) and d_r (the sampler)."""
+    """How many devices split a batch's rows: d, the trainer mesh's data x fsdp, and the sampler
+    mesh's data axis (the trainer's devices over its tensor axis)."""
 
     devices: int  # all devices of the run
-    train: int  # d_t: the trainer mesh's data x fsdp
-    rollout: int  # d_r: the sampler mesh's data x fsdp (data alone with rollout.tensor_parallel)
+    rows: int  # d
 
 
 def padded_count(count: int, devices: int) -> int:
@@ -69,31 +69,21 @@ def _error(key: str, value: int, why: str, works: Callable[[int], bool], upper: 
     return ConfigError(f"{key} {value}: {why}; nearest {that}: {' and '.join(map(str, near))}")
 
 
-def batch_axes(mesh: Mapping[str, int], tensor_parallel: int | None, devices: int) -> BatchAxes:
-    """d_t and d_r of a run on `devices` devices with mesh sizes `mesh` (one may be -1) and
-    `rollout.tensor_parallel` (None: the trainer's tensor axis); ConfigError when either mesh does
-    not fit the devices."""
+def batch_axes(mesh: Mapping[str, int], devices: int) -> BatchAxes:
+    """d_t and d_r of a run on `devices` devices with mesh sizes `mesh` (one may be -1); a
+    ConfigError when the mesh does not fit the devices."""
     try:
         data, fsdp, tensor = mesh_shape(mesh, devices)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    tp = tensor_parallel or tensor
-    if devices % tp:
-        raise _error(
-            "rollout.tensor_parallel",
-            tensor_parallel,
-            f"the sampler's mesh of data x {tp}-way tensor does not fit the {devices} devices",
-            lambda v: devices % v == 0,
-            devices,
-        )
-    return BatchAxes(devices, data * fsdp, devices // tp)
+    return BatchAxes(devices, data * fsdp)
 
 
 def check_decode_slots(slots: int | None, devices: int) -> None:
-    """`rollout.decode_slots` S (None: every row) splits over the sampler's d_r shards."""
+    """A sampler's `decode_slots` S (None: every row) splits over its d_r shards."""
     if slots and slots % devices:
         raise _error(
-            "rollout.decode_slots",
+            "decode_slots",
             slots,
             f"the engine's slots split over the {devices} devices of the sampler mesh's data x fsdp axes",
             lambda v: v % devices == 0,
@@ -151,16 +141,9 @@ def check_train_sizes(train_prompts: int, mini_prompts: int, micro_rows: int, gr
 def check_batch_sizes(c, devices: int) -> BatchAxes:
     """The config's batch sizes against `devices` devices (module docstring): its BatchAxes, or
     a one-line ConfigError naming the first key that does not fit."""
-    axes = batch_axes(c.mesh, c.rollout.tensor_parallel, devices)
+    axes = batch_axes(c.mesh, devices)
     t = c.train
     check_train_sizes(
-        t.train_batch_prompts, t.mini_batch_prompts, t.micro_batch_size, c.rollout.group_size, axes.train
+        t.train_batch_prompts, t.mini_batch_prompts, t.micro_batch_size, c.rollout.group_size, axes.rows
     )
-    if c.rollout.decode_slots and c.cpu_variants:
-        raise ConfigError(
-            f"rollout.decode_slots {c.rollout.decode_slots} sets the engine's slots, which "
-            "cpu_variants = True does not run (its rollout is the fixed batch): set cpu_variants = False, "
-            "or rollout.decode_slots = None"
-        )
-    check_decode_slots(c.rollout.decode_slots, axes.rollout)
     return axes

@@ -31,7 +31,7 @@ def _aot(*flags):
 def test_tiny_programs_compile_and_fit():
     """The run's programs as `programs.build` makes them, the rollout on a tensor-parallel bf16
     mesh of its own: each compiles, fits, and counts the train state resident beside it."""
-    out = _aot("--config.rollout.tensor_parallel=2", "--config.rollout.param_dtype=bfloat16")
+    out = _aot("--config.mesh.tensor=2", "--config.rollout.param_dtype=bfloat16")
     assert out.returncode == 0, out.stderr[-2000:]
     assert "rollout mesh {'data': 4, 'fsdp': 1, 'tensor': 2} in bfloat16" in out.stdout
     rows = json.loads(out.stdout.strip().splitlines()[-1])

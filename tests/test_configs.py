@@ -122,7 +122,7 @@ def test_warm_up_counts_rollout_steps_and_the_first_update_learns():
                 grpo.get_config("tiny"),
                 loss__beta=0.001,
                 reference__path=dapo.get_config("tiny").model.path,
-                rollout__tensor_parallel=2,
+                mesh__tensor=2,
                 rollout__param_dtype="bfloat16",  # (seq-mean-token-mean, pi_ref packed too)
             ),
         ),

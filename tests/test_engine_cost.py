@@ -110,7 +110,7 @@ def test_the_engine_programs_compile_on_cpu_devices():
             "--config=configs/dapo.py:tiny",
             "--topology=cpu:8",
             "--programs=engine",
-            "--config.rollout.tensor_parallel=2",
+            "--config.mesh.tensor=2",
             "--config.rollout.param_dtype=bfloat16",
         ],
         cwd=ROOT,

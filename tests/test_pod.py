@@ -32,9 +32,9 @@ def _flags(workdir, steps, *extra):
 
     return [
         "--config=configs/dapo.py:tiny",
-        "--config.mesh.data=4",
+        "--config.mesh.data=2",
         "--config.mesh.fsdp=2",
-        "--config.rollout.tensor_parallel=2",
+        "--config.mesh.tensor=2",
         "--config.export.max_shard_bytes=1000000",  # four shard files: one written by each process
         *small_flags(),
         f"--config.train.steps={steps}",

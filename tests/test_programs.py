@@ -1,5 +1,5 @@
 """The one program builder on eight fake devices: the rollout's mesh and weights, the cast compiled
-once, the eval micro-batches, and the abstract inputs the AOT check lowers."""
+once, the engine's sizes from the chip's memory, and the abstract inputs the AOT check lowers."""
 
 import jax
 import numpy as np
@@ -48,7 +48,6 @@ def test_rollout_weights_are_cast_by_one_program_onto_a_tensor_parallel_mesh(qwe
             "mesh.data": 1,
             "mesh.fsdp": 4,
             "mesh.tensor": 2,
-            "rollout.tensor_parallel": 2,
             "rollout.param_dtype": "bfloat16",
         }
     )
@@ -76,7 +75,6 @@ def test_abstract_inputs_hold_each_programs_arguments_and_what_stays_resident(qw
             "mesh.data": 2,
             "mesh.fsdp": 2,
             "mesh.tensor": 2,
-            "rollout.tensor_parallel": 2,
             "rollout.param_dtype": "bfloat16",
         }
     )
@@ -108,3 +106,23 @@ def _bytes_by_spec(tree) -> float:
         ]
         total += a.size * a.dtype.itemsize / np.prod([a.sharding.mesh.shape[n] for n in names])
     return total
+
+
+def test_the_engines_sizes_follow_the_chips_memory(qwen2_dir):
+    """tiny with the engine on 8 data shards: a generation batch of 64 prompts is 8 a shard, 64
+    rows; an eval batch of 125 prompts is filled to 128, 16 a shard, 64 rows at 4 samples. With
+    room to spare every row of a shard has a slot and a call takes all its prompts; where the
+    chip reports no memory (None) the engine decodes all rows at once, unplanned."""
+    c = _tiny(**{"cpu_variants": False})
+    cfg = _model_config(qwen2_dir)
+    roomy = programs.build(c, cfg, (1,), 0, hbm=2**40)
+    assert (roomy.sampler.config.decode_slots, roomy.sampler.micro_batch_prompts) == (64 * 8, 8 * 8)
+    assert (roomy.eval_sampler.config.decode_slots, roomy.eval_sampler.micro_batch_prompts) == (
+        64 * 8,
+        16 * 8,
+    )
+    assert (roomy.sizes.rollout_prompts, roomy.sizes.eval_prompts) == (64, 125)
+    unknown = programs.build(c, cfg, (1,), 0)
+    assert (unknown.sampler.config.decode_slots, unknown.sampler.micro_batch_prompts) == (None, None)
+    fixed = programs.build(_tiny(), cfg, (1,), 0, hbm=2**40)  # cpu_variants: the fixed batch
+    assert (fixed.sampler.config.decode_slots, fixed.sampler.micro_batch_prompts) == (None, None)
