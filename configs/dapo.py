@@ -119,7 +119,8 @@ def qwen2_5_32b_v5p64() -> ml_collections.ConfigDict:
 
 
 def qwen2_5_7b() -> ml_collections.ConfigDict:
-    """The 32B recipe on Qwen2.5-7B: same algorithm, a smaller slice (v5p-64: 32 chips)."""
+    """The 32B recipe on Qwen2.5-7B: same algorithm, a smaller slice (v5p-64: 32 chips). Its pages,
+    one kv head of 4 a chip, leave room for 128 slots a shard (dapo_jax.engine_plan)."""
     c = qwen2_5_32b()
     c.model.path = "/ckpt/Qwen2.5-7B"
     c.mesh.tensor = 4

@@ -7,8 +7,10 @@ spare), each page b = Z x 2K x E x L x itemsize bytes, its kv heads split over t
 Beside it stays what the run keeps resident on a chip, R (the train state, the samplers' weights,
 the reference's). Of the chip's H bytes a share HEADROOM is left for the programs' temporaries:
 
-- S is the largest power of two, at most the call's rows, with R + b x (J + S x (I + 1)) within
-  (1 - HEADROOM) x H: the slots first, since a step's cost is the weights' bytes, whatever S;
+- S is the largest power of two, at most the call's rows and, where the Pallas kernel runs, the
+  rows whose page tables its scalar memory holds (`paged_attention.kernel_max_rows`), with
+  R + b x (J + S x (I + 1)) within (1 - HEADROOM) x H: the slots first, since a step's cost is
+  mostly the weights' bytes, whatever S;
 - P_c is the largest divisor of the shard's P prompts (calls of equal size) with
   R + b x (P_c x J + S x (I + 1)) within the same bound: a longer call keeps the slots busy
   while its last rows finish.
@@ -23,7 +25,7 @@ from typing import NamedTuple
 
 from jax.sharding import Mesh
 
-from dapo_jax import engine, sizes
+from dapo_jax import engine, paged_attention, sizes
 from dapo_jax.decoding import SamplingConfig
 from dapo_jax.errors import ConfigError
 from dapo_jax.model import ModelConfig, Transformer
@@ -54,11 +56,12 @@ def plan(
     page: int,
     resident: float,
     hbm: float | None,
+    max_slots: int | None = None,
 ) -> EnginePlan:
     """S and P_c (module docstring) of a shard's P = `prompts` prompts, G = `group` rows each,
     J = `prompt_pages` and I = `table_pages`, pages of b = `page` bytes, R = `resident` bytes
-    beside them on a chip of H = `hbm` bytes (None: unknown). A ConfigError naming the figures
-    where one slot and one prompt do not fit."""
+    beside them on a chip of H = `hbm` bytes (None: unknown), S at most `max_slots` (None: no
+    bound). A ConfigError naming the figures where one slot and one prompt do not fit."""
     if hbm is None:
         return EnginePlan(None, None)
     pages = ((1 - HEADROOM) * hbm - resident) // page  # the pool's most pages
@@ -70,8 +73,8 @@ def plan(
             f"{resident / 2**30:.1f} GiB resident and {HEADROOM:.0%} kept for temporaries: "
             "shorten rollout.max_new_tokens, or split the model over more chips (mesh.tensor, mesh.fsdp)"
         )
-    slots = 1 << int((pages - prompt_pages) // slot).bit_length() - 1
-    slots = min(slots, prompts * group)
+    fit = int((pages - prompt_pages) // slot)
+    slots = min(1 << min(fit, max_slots or fit).bit_length() - 1, prompts * group)
     fits = [d for d in range(1, prompts + 1) if prompts % d == 0 and d * prompt_pages + slots * slot <= pages]
     call = max(fits, default=1)
     return EnginePlan(slots, call)
@@ -102,6 +105,8 @@ def planned_sampler(
     shard_prompts = sizes.padded_count(prompts, d) // d
     geo = engine.geometry(config, 1, group, max(config.prompt_buckets))
     page = page_bytes(m.config, config.page_size, mesh.shape["tensor"])
-    e = plan(shard_prompts, group, geo.prompt_pages, geo.table_pages, page, resident, hbm)
+    kernel = paged_attention.uses_kernel(m.config.head_dim, mesh)
+    most = paged_attention.kernel_max_rows(geo.table_pages) if kernel else None
+    e = plan(shard_prompts, group, geo.prompt_pages, geo.table_pages, page, resident, hbm, most)
     config = dataclasses.replace(config, decode_slots=e.slots and e.slots * d)
     return Sampler(m, config, mesh, e.prompts and e.prompts * d)

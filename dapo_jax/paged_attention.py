@@ -177,6 +177,14 @@ def kernel_decode_attention(
 
 
 KERNEL_LANES = 128  # the kernel keeps its softmax sums in vregs of 128 lanes, broadcast over E
+KERNEL_SMEM_BYTES = 2**20  # a TPU core's scalar memory, where the kernel prefetches the page tables
+
+
+def kernel_max_rows(table_pages: int) -> int:
+    """The most rows whose page tables, I = `table_pages` int32 entries each, the kernel
+    prefetches into scalar memory, 7/8 of it (the rest for its lengths and offsets); beyond it
+    the kernel does not compile (seen: 256 rows x 1408 pages, 1.38 MiB)."""
+    return KERNEL_SMEM_BYTES * 7 // 8 // (4 * table_pages)
 
 
 def uses_kernel(head_dim: int, mesh=None) -> bool:

@@ -41,6 +41,14 @@ def test_the_32b_configs_plans_on_v5p():
     assert engine_plan.plan(384, 16, J, I, half, 20.5 * GIB, 95 * GIB) == (64, 192)
 
 
+def test_the_slots_stop_where_the_kernels_page_tables_fill_its_scalar_memory():
+    """7/8 of 1 MiB holds 917,504 / (4 x 1408) = 162 rows' tables at 20,480 new tokens: 128 slots
+    (a power of two), however much HBM there is; then 128 x 1409 = 180,352 pages beside 192 x 128
+    prompts' fit 1 TiB."""
+    assert engine_plan.paged_attention.kernel_max_rows(I) == 162
+    assert engine_plan.plan(192, 16, J, I, MIB // 2, 0, 2**40, max_slots=162) == (128, 192)
+
+
 def test_the_slots_stop_at_the_calls_rows_and_unknown_memory_takes_all_rows():
     # 2 prompts x G = 4 are 8 rows, whatever room there is; J + I + 1 = 3 pages of 1 MiB for one slot
     assert engine_plan.plan(2, 4, 1, 1, MIB, 0, 10 * GIB) == (8, 2)
