@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
+from absl import logging
 from jax.sharding import Mesh
 
 from dapo_jax import engine, paged_attention, sizes
@@ -76,8 +77,7 @@ def plan(
     fit = int((pages - prompt_pages) // slot)
     slots = min(1 << min(fit, max_slots or fit).bit_length() - 1, prompts * group)
     fits = [d for d in range(1, prompts + 1) if prompts % d == 0 and d * prompt_pages + slots * slot <= pages]
-    call = max(fits, default=1)
-    return EnginePlan(slots, call)
+    return EnginePlan(slots, max(fits))  # d = 1 fits: J + S x (I + 1) <= pages by S
 
 
 def device_hbm(device) -> float | None:
@@ -108,5 +108,16 @@ def planned_sampler(
     kernel = paged_attention.uses_kernel(m.config.head_dim, mesh)
     most = paged_attention.kernel_max_rows(geo.table_pages) if kernel else None
     e = plan(shard_prompts, group, geo.prompt_pages, geo.table_pages, page, resident, hbm, most)
+    logging.info(
+        "rollout engine, a data shard of %d: %s slots, %s of %d prompts a call (pages of %.2f MiB, "
+        "%.1f GiB resident, a chip of %s bytes)",
+        d,
+        e.slots,
+        e.prompts,
+        shard_prompts,
+        page / 2**20,
+        resident / 2**30,
+        hbm,
+    )
     config = dataclasses.replace(config, decode_slots=e.slots and e.slots * d)
     return Sampler(m, config, mesh, e.prompts and e.prompts * d)
