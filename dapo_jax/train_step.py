@@ -299,14 +299,18 @@ def make_train_step(model, optimizer, schedule, loss_cfg: LossConfig, mesh, micr
 
 # The trained widths a run compiles at most: multiples of its length bucket up to Q + L_max
 MAX_WIDTHS = 16
+# The finest bucket: a TPU tile of bf16 holds 16 rows, so a finer width pads to it anyway, and
+# each width is a compile of the update and the log-prob pass
+MIN_BUCKET = 16
 
 
 def length_bucket(longest: int) -> int:
     """b, the step of the trained widths (`bucket_width`) for rows of at most `longest` = Q + L_max
-    tokens (the longest prompt bucket and response): the smallest power of two with
-    ceil(longest / b) <= `MAX_WIDTHS` (16). At the 32B config's 2048 + 20480 = 22,528:
-    22,528 / 16 = 1408, so b = 2048 and the widths are 2048, 4096, ..., 22,528 (11)."""
-    return 1 << (-(-longest // MAX_WIDTHS) - 1).bit_length()
+    tokens (the longest prompt bucket and response): the smallest power of two, at least
+    `MIN_BUCKET` (16), with ceil(longest / b) <= `MAX_WIDTHS` (16). At the 32B config's
+    2048 + 20480 = 22,528: 22,528 / 16 = 1408, so b = 2048 and the widths are 2048, 4096, ...,
+    22,528 (11)."""
+    return max(MIN_BUCKET, 1 << (-(-longest // MAX_WIDTHS) - 1).bit_length())
 
 
 def bucket_width(needed: int, bucket: int, at_most: int) -> int:

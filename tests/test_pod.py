@@ -1,10 +1,10 @@
 """A CPU "pod": four JAX processes (jax.distributed over gloo, two CPU devices each, the trainer's
-mesh data 4 x fsdp 2 across all eight) on the tiny config, with a rollout mesh unlike the
-trainer's (data 4 x tensor 2). A reward that disagrees on one process stops every process with
-the same one-line error; a SIGTERM to one process mid-step stops all four with status 75 within
-30 s, and the relaunch ends with the metrics of one process's uninterrupted run; a checkpoint
-exported by the four processes (`export --multihost`, each writing its own safetensors shards)
-equals its export by one process, byte for byte.
+mesh data 2 x fsdp 2 x tensor 2 across all eight) on the tiny config, with a rollout mesh unlike
+the trainer's (data 4 x tensor 2: the trainer's fsdp folded into data). A reward that disagrees
+on one process stops every process with the same one-line error; a SIGTERM to one process
+mid-step stops all four with status 75 within 30 s, and the relaunch ends with the metrics of one
+process's uninterrupted run; a checkpoint exported by the four processes (`export --multihost`,
+each writing its own safetensors shards) equals its export by one process, byte for byte.
 
 This file is also the processes' entry point (`python tests/test_pod.py FAULT_PROCESS ARGS...`):
 train's command line, with process FAULT_PROCESS's reward scores negated after they are

@@ -244,15 +244,17 @@ def test_logp_agreement_measures_carried_groups_apart():
 
 
 def test_length_bucket_by_hand():
-    """The smallest power of two b that leaves at most 16 trained widths up to Q + L_max."""
-    assert train_step.MAX_WIDTHS == 16
+    """The smallest power of two b, at least 16, that leaves at most 16 trained widths up to
+    Q + L_max."""
+    assert train_step.MAX_WIDTHS == train_step.MIN_BUCKET == 16
     # the 32B config: 2048 + 20480 = 22,528, / 16 = 1408 -> 2048: widths 2048, ..., 22,528 (11)
     assert train_step.length_bucket(22_528) == 2048
     # the tiny config: 48 + 96 = 144, / 16 = 9 -> 16: widths 16, ..., 144 (9)
     assert train_step.length_bucket(144) == 16
     # 256 is 16 widths of 16; 257 would need 17 of them, so 32 (9 widths)
     assert (train_step.length_bucket(256), train_step.length_bucket(257)) == (16, 32)
-    assert train_step.length_bucket(1) == 1
+    # the tests' small config: 48 + 40 = 88, / 16 = 6 -> 8, but at least 16
+    assert train_step.length_bucket(88) == 16 and train_step.length_bucket(1) == 16
 
 
 def test_rollout_masks_filtered_and_missing_rows_and_cuts_to_the_length_bucket():
