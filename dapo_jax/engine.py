@@ -34,7 +34,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dapo_jax import decoding, sizes
+from dapo_jax import decoding
 from dapo_jax.model import KVCache, ModelConfig, Transformer
 from dapo_jax.paged_attention import PageRefs, interleave_kv
 
@@ -58,12 +58,11 @@ def geometry(config: decoding.SamplingConfig, prompts: int, group: int, width: i
     z, b = config.page_size, prompts * group
     s = min(config.decode_slots or b, b)
     j, i = -(-(width - 1) // z), -(-(width - 1 + config.max_new_tokens) // z)
-    m = config.kv_pages or prompts * j + s * (i + 1)
-    if m < sizes.min_kv_pages(prompts, width, config.max_new_tokens, z):
+    m, least = config.kv_pages or prompts * j + s * (i + 1), prompts * j + i + 1
+    if m < least:
         raise ValueError(
             f"kv_pages = {m} cannot hold the {prompts} prompts' {prompts * j} pages, one row at "
-            f"{config.max_new_tokens} tokens ({i} pages of {z}) and a spare: "
-            f"set kv_pages >= {prompts * j + i + 1}"
+            f"{config.max_new_tokens} tokens ({i} pages of {z}) and a spare: set kv_pages >= {least}"
         )
     chunk = max(d for d in range(1, min(-(-s // group), prompts) + 1) if prompts % d == 0)
     return Geometry(b, s, z, j, i, m, chunk)

@@ -70,8 +70,8 @@ def _error(key: str, value: int, why: str, works: Callable[[int], bool], upper: 
 
 
 def batch_axes(mesh: Mapping[str, int], devices: int) -> BatchAxes:
-    """d_t and d_r of a run on `devices` devices with mesh sizes `mesh` (one may be -1); a
-    ConfigError when the mesh does not fit the devices."""
+    """d of a run on `devices` devices with mesh sizes `mesh` (one may be -1); a ConfigError
+    when the mesh does not fit the devices."""
     try:
         data, fsdp, tensor = mesh_shape(mesh, devices)
     except ValueError as e:
@@ -80,7 +80,7 @@ def batch_axes(mesh: Mapping[str, int], devices: int) -> BatchAxes:
 
 
 def check_decode_slots(slots: int | None, devices: int) -> None:
-    """A sampler's `decode_slots` S (None: every row) splits over its d_r shards."""
+    """A sampler's `decode_slots` S (None: every row) splits over its `devices` data shards."""
     if slots and slots % devices:
         raise _error(
             "decode_slots",
@@ -89,13 +89,6 @@ def check_decode_slots(slots: int | None, devices: int) -> None:
             lambda v: v % devices == 0,
             slots + devices,
         )
-
-
-def min_kv_pages(prompts: int, width: int, new_tokens: int, page_size: int) -> int:
-    """The smallest pool of the engine (`engine.geometry`): P prompts' ceil((L - 1) / Z) pages
-    each (held for the whole loop), one row's ceil((L - 1 + N) / Z) at N tokens, and a spare."""
-    z = page_size
-    return prompts * -(-(width - 1) // z) + -(-(width - 1 + new_tokens) // z) + 1
 
 
 def check_train_sizes(train_prompts: int, mini_prompts: int, micro_rows: int, group_size: int, devices: int):
